@@ -1,0 +1,78 @@
+"""Shared fixtures: a fresh staging root per test (so tests can check it is left empty) and
+helpers to build and compare state dicts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.fixture
+def staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A staging root used through ``UC_CHECKPOINT_STAGING_DIR``."""
+    root = tmp_path / "staging"
+    root.mkdir()
+    monkeypatch.setenv("UC_CHECKPOINT_STAGING_DIR", str(root))
+    return root
+
+
+def staging_files(root: Path) -> list[Path]:
+    """Files left anywhere under a staging root."""
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def make_state_dict(seed: int = 0, n: int = 4, rows: int = 256) -> dict:
+    """Tensors of several dtypes and shapes plus plain Python objects."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict = {f"w{i}": torch.randn(rows * (i + 1), 64, generator=g) for i in range(n)}
+    sd["ids"] = torch.randint(0, 1000, (333,), generator=g)
+    sd["half"] = torch.randn(17, 5, generator=g).to(torch.bfloat16)
+    sd["extra"] = {"step": seed, "name": f"run-{seed}", "lr": [0.1, 0.01]}
+    return sd
+
+
+def empty_like_state_dict(sd: dict) -> dict:
+    """A template of the same structure with zeroed tensors and blank objects."""
+    out: dict = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        elif isinstance(v, dict):
+            out[k] = {kk: None for kk in v}
+        else:
+            out[k] = None
+    return out
+
+
+def assert_state_dict_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype, k
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a Python script or torchrun from the venv with the repo importable; fail on timeout."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        full_env.update(env)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    return run_script([exe, "--standalone", f"--nproc_per_node={nproc}", str(script), *args], timeout=timeout)

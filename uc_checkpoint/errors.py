@@ -1,0 +1,41 @@
+"""The exceptions uc_checkpoint raises.
+
+Every error names the path, key or argument it is about. DCP wraps errors raised inside a save or a
+load in its own ``CheckpointException`` (a ``BaseException``); ours are the inner causes there, one per
+failing rank (``exc.failures[rank]``).
+"""
+
+from __future__ import annotations
+
+
+class UCCheckpointError(Exception):
+    """Base class of every error raised by uc_checkpoint."""
+
+
+class VolumeError(UCCheckpointError):
+    """A volume location cannot be used: it does not exist, is a file, is not writable or is
+    unreachable. The message names the location."""
+
+
+class LocationNotEmptyError(VolumeError):
+    """A save was pointed at a location that holds files which are not part of a checkpoint."""
+
+
+class CheckpointExistsError(VolumeError):
+    """A save with ``overwrite=False`` found a published checkpoint at its location."""
+
+
+class StagingError(UCCheckpointError):
+    """The local staging directory cannot be created or written."""
+
+
+class TransferError(UCCheckpointError):
+    """Copying a file between staging and the volume failed (after any retries)."""
+
+
+class CheckpointNotFoundError(UCCheckpointError):
+    """A location has no published ``.metadata``: no checkpoint, or one whose save never finished."""
+
+
+class CorruptCheckpointError(UCCheckpointError):
+    """A checkpoint file is missing, truncated or fails its checksum. The message names the file."""

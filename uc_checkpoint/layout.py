@@ -1,0 +1,81 @@
+"""What a checkpoint location holds, and the file manifest recorded in its ``.metadata``.
+
+A checkpoint is DCP's standard layout: data files ``__<rank>_<save token>_<n>.distcp`` and a pickled
+``Metadata`` in ``.metadata`` (or ``__<rank>.metadata`` per rank when DCP runs without collectives).
+The save token in data file names keeps a new save at the same location from overwriting files the
+published ``.metadata`` still points at, so readers always see the old checkpoint or the new one.
+
+uc_checkpoint adds a manifest of every data file (size in bytes and CRC-32) as the plain-dict
+attribute ``uc_manifest`` of the ``Metadata`` object. It is inside ``.metadata``, so it is published
+atomically with it; stock ``FileSystemReader`` ignores it. Shape::
+
+    {"format": 1, "save_id": str, "checksum": "crc32",
+     "files": {name: {"size": int, "crc32": "8 hex digits"}}}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .volumes.base import FileRecord
+
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+MANIFEST_ATTR = "uc_manifest"
+MANIFEST_FORMAT = 1
+
+_RANK_METADATA = re.compile(r"^__\d+\.metadata$")
+_TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
+
+
+def metadata_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__<rank>.metadata`` for DCP's rank-local metadata (no collectives)."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether ``name`` is something a DCP save (ours or stock) puts at a checkpoint location."""
+    return (
+        name == METADATA_NAME
+        or name == METADATA_NAME + ".tmp"  # stock FileSystemWriter's temp file
+        or name.endswith(DATA_SUFFIX)
+        or bool(_RANK_METADATA.match(name))
+        or bool(_TEMP.match(name))
+    )
+
+
+def data_file_prefix(rank: int, save_token: str) -> str:
+    """Prefix of the data files one rank writes in one save."""
+    return f"__{rank}_{save_token}_"
+
+
+def build_manifest(save_id: str, records: Iterable[FileRecord]) -> dict[str, Any]:
+    """The manifest dict for the files of one save (see the module docstring)."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "save_id": save_id,
+        "checksum": "crc32",
+        "files": {r.name: {"size": r.size, "crc32": r.crc32} for r in records},
+    }
+
+
+def manifest_of(metadata: Metadata) -> Mapping[str, Any] | None:
+    """The manifest stored in ``metadata``, or ``None`` for checkpoints written by other writers."""
+    manifest = getattr(metadata, MANIFEST_ATTR, None)
+    if isinstance(manifest, Mapping) and manifest.get("format") == MANIFEST_FORMAT:
+        return manifest
+    return None
+
+
+def referenced_files(metadata: Metadata) -> dict[str, int]:
+    """Data files the metadata points at, with the minimum size each must have (end of the last
+    item stored in it, in bytes)."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        need[name] = max(need.get(name, 0), info.offset + info.length)
+    return need

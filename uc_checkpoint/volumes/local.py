@@ -1,0 +1,206 @@
+"""A volume that is a directory: local disk, NFS, or a FUSE mount of an object store.
+
+FUSE mounts of object stores (s3fs, Mountpoint, gcsfuse, rclone) often refuse ``rename``, turn
+``fsync`` into an upload, and misbehave on random writes. So data files are written once, in order,
+under their final names, and only ``.metadata`` is published with a temp file and rename, falling
+back to a single in-place write where rename is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from .base import FileRecord, Volume, copy_stream
+
+logger = logging.getLogger(__name__)
+
+# errno values with which FUSE and network filesystems refuse an operation they do not implement.
+_UNSUPPORTED = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM, errno.EINVAL}
+
+
+def _fsync(fd: int, what: str) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno in _UNSUPPORTED:
+            # Some FUSE filesystems have no fsync; their close() is the durability point.
+            logger.debug("fsync not supported for %s (%s); relying on close", what, exc)
+        else:
+            raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        _fsync(fd, str(path))
+    except OSError as exc:
+        logger.debug("directory fsync failed for %s: %s", path, exc)
+    finally:
+        os.close(fd)
+
+
+class LocalVolume(Volume):
+    """A checkpoint location that is a directory on a mounted filesystem.
+
+    Args:
+        path: the directory (it need not exist yet). ``~`` is expanded; relative paths are made
+            absolute against the current directory when the volume is created.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+        self.url = str(self.root)
+
+    def __repr__(self) -> str:
+        return f"LocalVolume({self.url!r})"
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def child(self, name: str) -> LocalVolume:
+        return LocalVolume(self.root / name)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def prepare_for_write(self, create_parents: bool = True) -> None:
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise VolumeError(f"checkpoint location {root} is a file, not a directory")
+        if not root.exists():
+            # Find the deepest existing ancestor to report the real culprit.
+            ancestor = root.parent
+            while not ancestor.exists():
+                ancestor = ancestor.parent
+            if not ancestor.is_dir():
+                raise VolumeError(f"cannot create checkpoint location {root}: {ancestor} is a file")
+            if not create_parents and ancestor != root.parent:
+                raise VolumeError(
+                    f"cannot create checkpoint location {root}: parent directory {root.parent} does "
+                    "not exist (create_parents=False)"
+                )
+            if not os.access(ancestor, os.W_OK | os.X_OK):
+                raise VolumeError(f"cannot create checkpoint location {root}: {ancestor} is not writable")
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise VolumeError(f"cannot create checkpoint location {root}: {exc.strerror}") from exc
+        # access() reports EROFS even for root, which ignores permission bits.
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise VolumeError(f"checkpoint location {root} is not writable")
+
+    def list_files(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return out
+        except NotADirectoryError as exc:
+            raise VolumeError(f"checkpoint location {self.root} is a file, not a directory") from exc
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    out[entry.name + "/"] = -1
+                else:
+                    out[entry.name] = entry.stat().st_size
+            except FileNotFoundError:
+                continue  # deleted while listing
+        return out
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self._path(name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    # ---- data movement ------------------------------------------------------------------------
+    def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
+        dest = self._path(name)
+        try:
+            with open(local_path, "rb") as src, open(dest, "wb") as dst:
+                size, crc = copy_stream(src, dst)
+                dst.flush()
+                if sync:
+                    _fsync(dst.fileno(), str(dest))
+        except OSError as exc:
+            raise TransferError(f"copying {local_path} to {dest} failed: {exc}") from exc
+        return FileRecord(name=name, size=size, crc32=crc)
+
+    def download_file(self, name: str, local_path: Path) -> FileRecord:
+        src_path = self._path(name)
+        try:
+            with open(src_path, "rb") as src, open(local_path, "wb") as dst:
+                size, crc = copy_stream(src, dst)
+        except FileNotFoundError as exc:
+            if exc.filename == str(src_path) or not src_path.exists():
+                raise CorruptCheckpointError(f"checkpoint file {src_path} is missing") from exc
+            raise TransferError(f"copying {src_path} to {local_path} failed: {exc}") from exc
+        except OSError as exc:
+            raise TransferError(f"copying {src_path} to {local_path} failed: {exc}") from exc
+        return FileRecord(name=name, size=size, crc32=crc)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError as exc:
+            raise CorruptCheckpointError(f"{self._path(name)} is a directory, not a file") from exc
+        except OSError as exc:
+            raise TransferError(f"reading {self._path(name)} failed: {exc}") from exc
+
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        dest = self._path(name)
+        if not overwrite and dest.exists():
+            raise CheckpointExistsError(f"{dest} already exists and overwrite=False")
+        tmp = self._path(f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                _fsync(f.fileno(), str(tmp))
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise TransferError(f"writing {tmp} failed: {exc}") from exc
+        try:
+            if overwrite:
+                os.replace(tmp, dest)
+            else:
+                # link() fails if dest exists: a second writer cannot clobber the first.
+                os.link(tmp, dest)
+                tmp.unlink()
+        except FileExistsError as exc:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointExistsError(f"{dest} already exists and overwrite=False") from exc
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                tmp.unlink(missing_ok=True)
+                raise TransferError(f"publishing {dest} failed: {exc}") from exc
+            # rename/link refused (typical of FUSE mounts of object stores): write the final file
+            # once; on such mounts the object appears whole when the file is closed.
+            logger.info("rename refused on %s (%s); writing %s in place", self.url, exc, name)
+            tmp.unlink(missing_ok=True)
+            try:
+                with open(dest, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    _fsync(f.fileno(), str(dest))
+            except OSError as exc2:
+                raise TransferError(f"publishing {dest} failed: {exc2}") from exc2
+        _fsync_dir(self.root)
+        if self.size(name) != len(data):
+            raise TransferError(f"publishing {dest}: size on the volume differs from {len(data)} bytes")
+
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise TransferError(f"deleting {self._path(name)} failed: {exc}") from exc

@@ -1,0 +1,367 @@
+"""``UCVolumeWriter``: a DCP storage writer that stages files locally and uploads them in parallel.
+
+Where a byte goes, from ``dcp.async_save`` to the volume:
+
+1. ``stage()`` (inherited from ``FileSystemWriter``): the state dict is copied to CPU memory; this
+   is the only time training is blocked.
+2. ``write_data`` (every rank, in DCP's background thread or process): DCP's own serialiser writes
+   the rank's items into a few data files in a per-rank staging directory. As each file is closed,
+   it is handed to a :class:`~uc_checkpoint.transfer.TransferPool`, so uploads overlap serialising the
+   next file. ``write_data`` returns once every file of the rank is on the volume with its size
+   checked.
+3. ``finish`` (coordinator, called by DCP only after every rank's ``write_data`` succeeded): checks
+   that every data file of every rank is on the volume with the right size, then publishes
+   ``.metadata`` (with the file manifest inside) in one atomic write. Nothing else is ever written
+   after it, except deleting data files of older saves at the same location that the new
+   ``.metadata`` no longer references.
+
+If any rank fails, DCP never calls ``finish``: no ``.metadata`` is published, and a previous
+checkpoint at the location stays loadable (new data files carry a per-save token in their names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import pickle
+import queue
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+    _item_size,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import layout
+from .errors import (
+    CheckpointExistsError,
+    LocationNotEmptyError,
+    TransferError,
+    VolumeError,
+)
+from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
+from .transfer import TransferGroup, TransferPool
+from .volumes import FileRecord, Volume, open_volume
+
+try:  # the version string DCP stamps into .metadata
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    CURRENT_DCP_VERSION = "1.0.0"
+
+logger = logging.getLogger(__name__)
+
+#: Default target size of one data file (bytes). A rank's items are split into
+#: ``max(thread_count, ceil(rank bytes / file_size_bytes))`` files so uploads start early.
+DEFAULT_FILE_SIZE = 64 << 20
+
+
+@dataclass
+class _UploadedStorageInfo(_StorageInfo):
+    """``_StorageInfo`` plus what the upload recorded for the whole file; it travels from each
+    rank's ``write_data`` to the coordinator's ``finish`` and is turned back into a plain
+    ``_StorageInfo`` before ``.metadata`` is written, so stock readers can load the checkpoint."""
+
+    file_size: int = -1
+    file_crc32: str = ""
+
+    def plain(self) -> _StorageInfo:
+        return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
+
+
+class _StagingFileSystem(FileSystem):
+    """DCP's local filesystem that reports every data file it finishes writing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_file_written: Callable[[Path], None] | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[IO[bytes]]:
+        with super().create_stream(path, mode) as stream:
+            yield stream
+        callback = self.on_file_written
+        if callback is not None and "w" in mode:
+            callback(Path(path))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["on_file_written"] = None
+        return state
+
+
+class UCVolumeWriter(FileSystemWriter):
+    """DCP storage writer for a volume (local or FUSE path; more backends by URL).
+
+    Use exactly like DCP's writers::
+
+        dcp.async_save(state_dict, storage_writer=UCVolumeWriter("/mnt/vol/ckpt/step_100"))
+        dcp.save(state_dict, storage_writer=UCVolumeWriter(path))
+
+    Args:
+        path: the checkpoint's location on the volume (a directory path or URL, or a
+            :class:`~uc_checkpoint.volumes.Volume`). ``checkpoint_id=`` passed to ``dcp.save``
+            replaces it.
+        staging_dir: local directory for serialised files before upload. Default:
+            ``$UC_CHECKPOINT_STAGING_DIR`` or the system temp dir. Needs free space for the rank's
+            share of the checkpoint at most (files are deleted as soon as they are uploaded).
+        upload_workers: files uploaded at once per rank.
+        thread_count: DCP serialisation threads per rank.
+        file_size_bytes: target size of one data file; smaller files start uploading sooner.
+        overwrite: allow replacing a checkpoint already published at ``path``. The old checkpoint
+            stays loadable until the new ``.metadata`` replaces it.
+        create_parents: create missing parent directories of a local ``path``.
+        sync_files: fsync data files and ``.metadata`` on the volume before publishing.
+
+    Raises (inside DCP's ``CheckpointException``):
+        VolumeError: the location is a file, not writable, or its parent is missing.
+        LocationNotEmptyError: the location holds files that are not part of a checkpoint.
+        CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
+        StagingError: the staging directory cannot be created.
+        TransferError: an upload failed or landed with the wrong size.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Volume,
+        *,
+        staging_dir: str | os.PathLike[str] | None = None,
+        upload_workers: int = 4,
+        thread_count: int = 1,
+        file_size_bytes: int = DEFAULT_FILE_SIZE,
+        overwrite: bool = True,
+        create_parents: bool = True,
+        sync_files: bool = True,
+    ) -> None:
+        if upload_workers < 1:
+            raise ValueError(f"upload_workers must be >= 1, got {upload_workers}")
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if file_size_bytes < 1:
+            raise ValueError(f"file_size_bytes must be >= 1, got {file_size_bytes}")
+        location = path if isinstance(path, Volume) else os.fspath(path)
+        # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
+        super().__init__(
+            path=".", single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=overwrite
+        )
+        self.fs = _StagingFileSystem()
+        self.path = None  # type: ignore[assignment]  # the staging dir, set per save in write_data
+        self._location: str | Volume = location
+        self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
+        self.upload_workers = upload_workers
+        self.file_size_bytes = file_size_bytes
+        self.create_parents = create_parents
+        self.sync_volume = sync_files
+        self.is_coordinator = False
+        self._save_token = uuid.uuid4().hex[:8]
+
+    # ---- identity -----------------------------------------------------------------------------
+    @property
+    def volume(self) -> Volume:
+        """The checkpoint's location as a :class:`Volume` (created on use, never pickled)."""
+        return open_volume(self._location)
+
+    @property
+    def checkpoint_id(self) -> str:  # type: ignore[override]
+        """The checkpoint's URL on the volume (recorded as ``StorageMeta.checkpoint_id``)."""
+        return self.volume.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            open_volume(checkpoint_id)
+        except VolumeError:
+            return False
+        return True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self._location = os.fspath(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    # ---- planning -----------------------------------------------------------------------------
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.is_coordinator = is_coordinator
+        # A fresh token for every save, so data files never reuse the names of a published
+        # checkpoint's files, even when one writer object saves twice to the same location.
+        self._save_token = uuid.uuid4().hex[:8]
+
+    def _rank(self) -> int:
+        return self.rank if self.rank is not None else 0
+
+    def _staging_path(self) -> Path:
+        return staging_dir_for(self.staging_dir, "save", self.checkpoint_id, self._save_token, self._rank())
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Fail in the planning step, before anything is written anywhere.
+        create_staging_dir(self._staging_path())
+        if self.is_coordinator or not self.use_collectives:
+            self._check_location()
+        if not self.use_collectives:
+            plan = dataclasses.replace(
+                plan, storage_data=_StoragePrefix(layout.data_file_prefix(self._rank(), self._save_token))
+            )
+        return plan
+
+    def _check_location(self) -> None:
+        volume = self.volume
+        volume.prepare_for_write(create_parents=self.create_parents)
+        files = volume.list_files()
+        foreign = sorted(name for name in files if not layout.is_checkpoint_file(name))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise LocationNotEmptyError(
+                f"checkpoint location {volume.url} holds files that are not part of a checkpoint: {shown}"
+            )
+        meta = layout.metadata_name(None if self.use_collectives else self._rank())
+        if meta in files:
+            if not self.overwrite:
+                raise CheckpointExistsError(f"{volume.describe(meta)} exists and overwrite=False")
+            logger.info("replacing the checkpoint published at %s", volume.url)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            plan
+            if plan.storage_data is not None
+            else dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(i, self._save_token)))
+            for i, plan in enumerate(plans)
+        ]
+
+    # ---- writing ------------------------------------------------------------------------------
+    def _file_queue(self, plan: SavePlan, staging: Path) -> queue.Queue[tuple[Path, str, list[Any]]]:
+        prefix = plan.storage_data.prefix
+        total = sum(_item_size(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
+        n_files = max(self.thread_count, math.ceil(total / self.file_size_bytes), 1)
+        file_queue: queue.Queue[tuple[Path, str, list[Any]]] = queue.Queue()
+        buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
+        for n, bucket in enumerate(buckets):
+            name = f"{prefix}{n}{DEFAULT_SUFFIX}"
+            file_queue.put((staging / name, name, bucket))
+        return file_queue
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        volume = self.volume
+        staging = create_staging_dir(self._staging_path())
+        self.path = staging  # type: ignore[assignment]  # where DCP's serialiser writes
+        started = time.perf_counter()
+        sync = self.sync_volume
+
+        def upload(local: Path) -> FileRecord:
+            record = volume.upload_file(local, local.name, sync=sync)
+            staged_size = local.stat().st_size
+            landed = volume.size(local.name)
+            if record.size != staged_size or landed != staged_size:
+                raise TransferError(
+                    f"{volume.describe(local.name)} landed with {landed} bytes, expected {staged_size}"
+                )
+            local.unlink()  # free staging space as soon as the file is safe on the volume
+            return record
+
+        pool = TransferPool(self.upload_workers, name=f"uc-upload-r{self._rank()}")
+        group: TransferGroup[FileRecord] = TransferGroup(pool, f"upload to {volume.url}")
+        self.fs.on_file_written = lambda path: group.submit(upload, path)
+        try:
+            try:
+                results: list[WriteResult] = self._write_data(planner, self._file_queue(plan, staging)).value()
+            finally:
+                self.fs.on_file_written = None
+            records = {r.name: r for r in group.results()}
+        except BaseException:
+            group.cancel()
+            raise
+        finally:
+            pool.shutdown(cancel_pending=True)
+            remove_staging_dir(staging)
+
+        out: list[WriteResult] = []
+        for wr in results:
+            info: _StorageInfo = wr.storage_data
+            record = records.get(info.relative_path)
+            if record is None:  # a bug, not an I/O fault: never publish over it
+                raise TransferError(f"{volume.describe(info.relative_path)} was written but never uploaded")
+            out.append(
+                dataclasses.replace(
+                    wr,
+                    storage_data=_UploadedStorageInfo(
+                        info.relative_path,
+                        info.offset,
+                        info.length,
+                        info.transform_descriptors,
+                        file_size=record.size,
+                        file_crc32=record.crc32,
+                    ),
+                )
+            )
+        nbytes = sum(r.size for r in records.values())
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "rank %d: %d files, %d bytes to %s in %.3f s (%.1f MB/s)",
+            self._rank(), len(records), nbytes, volume.url, elapsed, nbytes / max(elapsed, 1e-9) / 1e6,
+        )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(out)
+        return fut
+
+    # ---- publishing ---------------------------------------------------------------------------
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        volume = self.volume
+        records: dict[str, FileRecord] = {}
+        storage_md: dict[Any, _StorageInfo] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                info = wr.storage_data
+                if isinstance(info, _UploadedStorageInfo):
+                    records[info.relative_path] = FileRecord(info.relative_path, info.file_size, info.file_crc32)
+                    info = info.plain()
+                storage_md[wr.index] = info
+        # Every data file of every rank must be on the volume, whole, before .metadata exists.
+        listing = volume.list_files()
+        for name, record in records.items():
+            if listing.get(name) != record.size:
+                raise TransferError(
+                    f"not publishing {volume.url}: {volume.describe(name)} has "
+                    f"{listing.get(name)} bytes on the volume, expected {record.size}"
+                )
+        for name in {info.relative_path for info in storage_md.values()} - records.keys():
+            raise TransferError(f"not publishing {volume.url}: no upload record for {name}")
+
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        setattr(metadata, layout.MANIFEST_ATTR, layout.build_manifest(self.save_id, records.values()))
+        rank = None if self.use_collectives else self._rank()
+        meta_name = layout.metadata_name(rank)
+        volume.publish_bytes(meta_name, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), overwrite=self.overwrite)
+        logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
+        self._remove_stale_files(volume, listing, set(records), rank)
+
+    def _remove_stale_files(self, volume: Volume, listing: dict[str, int], keep: set[str], rank: int | None) -> None:
+        """Delete data files of earlier saves at this location: the new ``.metadata`` is published
+        and no longer references them. Best effort: a failure is logged, never raised."""
+        mine = layout.data_file_prefix(rank, "") if rank is not None else "__"
+        for name in listing:
+            stale_data = name.endswith(layout.DATA_SUFFIX) and name.startswith(mine) and name not in keep
+            stale_tmp = name == layout.METADATA_NAME + ".tmp"
+            if stale_data or stale_tmp:
+                try:
+                    volume.delete(name)
+                except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
+                    logger.warning("could not delete stale file %s: %s", volume.describe(name), exc)
+
