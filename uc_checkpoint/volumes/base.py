@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-#: Bytes per read/write when a backend streams a file through Python (8 MiB: large enough that
-#: per-call overhead vanishes, small enough that a pool of workers stays within a few tens of MiB).
-CHUNK_SIZE = 8 << 20
+#: Bytes per read/write when a backend streams a file through Python (1 MiB: per-call overhead is
+#: already negligible, and a pool of workers holds only a few MiB of buffers).
+CHUNK_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
