@@ -125,7 +125,7 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
             os.killpg(job.proc.pid, signal.SIGKILL)
             job.proc.wait()
             return "failed"
-        time.sleep(0.05)
+        time.sleep(0.2)
 
 
 def compare(ref_path: Path, got_path: Path) -> list[str]:
