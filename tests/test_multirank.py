@@ -14,7 +14,7 @@ MODES = ("sync", "thread", "process")
 
 @pytest.mark.slow
 def test_two_ranks_all_modes(tmp_path: Path) -> None:
-    proc = torchrun(SCRIPTS / "multirank_roundtrip.py", str(tmp_path), *MODES, nproc=2, timeout=1200)
+    proc = torchrun(SCRIPTS / "multirank_roundtrip.py", str(tmp_path), *MODES, nproc=2, timeout=1400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for mode in MODES:
