@@ -1,0 +1,404 @@
+"""Tests for uc_checkpoint.demo.data: corpus, shard building, index validation, samples."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from uc_checkpoint.demo import data
+from uc_checkpoint.demo.data import (
+    INDEX_NAME,
+    ShardInfo,
+    ShardReader,
+    ShardSet,
+    build_shards,
+    read_corpus,
+    read_sample,
+    samples_in_shard,
+    split_sizes,
+    stdlib_sources,
+    step_sample_ids,
+)
+
+SMALL = 1 << 20  # 1 MiB of real stdlib text keeps the tests quick
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> ShardSet:
+    return build_shards(tmp_path_factory.mktemp("shards"), num_shards=8, max_bytes=SMALL)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> bytes:
+    return read_corpus(SMALL)
+
+
+def _fake_tree(root: Path) -> None:
+    files = {
+        "b.py": b"print('b')\n",
+        "a.py": b"x = 1\n",
+        "pkg/__init__.py": b"",
+        "pkg/z.py": b"z = 26\n",
+        "site-packages/evil.py": b"raise SystemExit\n",
+        "pkg/dist-packages/evil2.py": b"raise SystemExit\n",
+        "notes.txt": b"not python\n",
+    }
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+
+
+def test_stdlib_sources_order_and_exclusions(tmp_path: Path) -> None:
+    _fake_tree(tmp_path)
+    rels = [rel for rel, _ in stdlib_sources(tmp_path)]
+    assert rels == ["a.py", "b.py", "pkg/__init__.py", "pkg/z.py"]
+
+
+def test_real_stdlib_sources_are_sorted_python_files() -> None:
+    sources = stdlib_sources()
+    rels = [rel for rel, _ in sources]
+    assert len(rels) > 100
+    assert rels == sorted(rels)
+    assert all(rel.endswith(".py") for rel in rels)
+    assert not any({"site-packages", "dist-packages"} & set(rel.split("/")) for rel in rels)
+
+
+def test_read_corpus_concatenates_and_truncates(tmp_path: Path) -> None:
+    _fake_tree(tmp_path)
+    full = b"x = 1\n" + b"print('b')\n" + b"" + b"z = 26\n"
+    assert read_corpus(10_000, tmp_path) == full
+    assert read_corpus(9, tmp_path) == full[:9]
+    with pytest.raises(ValueError):
+        read_corpus(0, tmp_path)
+
+
+def test_real_corpus_has_requested_size(corpus: bytes) -> None:
+    assert len(corpus) == SMALL
+    first_rel, first_path = stdlib_sources()[0]
+    head = first_path.read_bytes()[:SMALL]
+    assert corpus.startswith(head), first_rel
+
+
+def test_build_is_deterministic(tmp_path: Path) -> None:
+    one = build_shards(tmp_path / "one", num_shards=5, max_bytes=SMALL)
+    two = build_shards(tmp_path / "two", num_shards=5, max_bytes=SMALL)
+    assert one.shards == two.shards
+    assert (one.root / INDEX_NAME).read_bytes() == (two.root / INDEX_NAME).read_bytes()
+    for info in one.shards:
+        assert (one.root / info.name).read_bytes() == (two.root / info.name).read_bytes()
+
+
+def test_build_writes_index_with_provenance(built: ShardSet, corpus: bytes) -> None:
+    index = json.loads((built.root / INDEX_NAME).read_text())
+    assert index["python_version"]
+    assert Path(index["source_root"]) == data.stdlib_root()
+    assert index["total_bytes"] == len(corpus)
+    assert index["corpus_sha256"] == hashlib.sha256(corpus).hexdigest()
+    assert [e["name"] for e in index["shards"]] == [f"shard_{i:05d}.bin" for i in range(8)]
+    for entry in index["shards"]:
+        content = (built.root / entry["name"]).read_bytes()
+        assert len(content) == entry["size"]
+        assert hashlib.sha256(content).hexdigest() == entry["sha256"]
+    # No temporary files are left behind.
+    assert sorted(p.name for p in built.root.iterdir()) == sorted(
+        [INDEX_NAME] + [e["name"] for e in index["shards"]]
+    )
+
+
+def test_shards_concatenate_to_corpus(built: ShardSet, corpus: bytes) -> None:
+    joined = b"".join((built.root / info.name).read_bytes() for info in built.shards)
+    assert joined == corpus
+    assert built.total_bytes == len(corpus)
+
+
+def test_shard_sizes_are_uneven_but_close(built: ShardSet) -> None:
+    sizes = [info.size for info in built.shards]
+    assert len(set(sizes)) == len(sizes)  # no two equal
+    mean = sum(sizes) / len(sizes)
+    assert all(0.7 * mean <= size <= 1.3 * mean for size in sizes), sizes
+
+
+def test_build_reuses_matching_shards(tmp_path: Path) -> None:
+    first = build_shards(tmp_path, num_shards=3, max_bytes=SMALL)
+    stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in tmp_path.iterdir()}
+    second = build_shards(tmp_path, num_shards=3, max_bytes=SMALL)
+    assert second == first
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in tmp_path.iterdir()} == stamps
+
+
+def test_build_repairs_corrupted_shard(tmp_path: Path) -> None:
+    first = build_shards(tmp_path, num_shards=3, max_bytes=SMALL)
+    victim = tmp_path / first.shards[1].name
+    victim.write_bytes(b"garbage")
+    second = build_shards(tmp_path, num_shards=3, max_bytes=SMALL)
+    assert second.shards == first.shards
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == first.shards[1].sha256
+
+
+def test_build_with_other_shard_count_replaces_old_set(tmp_path: Path) -> None:
+    build_shards(tmp_path, num_shards=6, max_bytes=SMALL)
+    smaller = build_shards(tmp_path, num_shards=2, max_bytes=SMALL)
+    assert len(smaller.shards) == 2
+    assert sorted(p.name for p in tmp_path.glob("shard_*.bin")) == [
+        "shard_00000.bin",
+        "shard_00001.bin",
+    ]
+    assert ShardSet.load(tmp_path) == smaller
+
+
+def test_build_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        build_shards(tmp_path / "a", num_shards=0, max_bytes=SMALL)
+    with pytest.raises(ValueError):
+        build_shards(tmp_path / "b", num_shards=2, max_bytes=0)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiny.py").write_bytes(b"ab")
+    with pytest.raises(ValueError, match="too few"):
+        build_shards(tmp_path / "c", num_shards=3, max_bytes=SMALL, source_root=src)
+
+
+def test_split_sizes_examples() -> None:
+    assert split_sizes(10, 1) == [10]
+    sizes = split_sizes(1000, 2)
+    assert sum(sizes) == 1000 and sizes[0] != sizes[1]
+    with pytest.raises(ValueError):
+        split_sizes(100, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(min_value=1, max_value=10**9), num_shards=st.integers(1, 40))
+def test_split_sizes_properties(total: int, num_shards: int) -> None:
+    try:
+        sizes = split_sizes(total, num_shards)
+    except ValueError:
+        assert total < 4 * num_shards  # only tiny totals may fail
+        return
+    assert len(sizes) == num_shards
+    assert sum(sizes) == total
+    assert min(sizes) >= 1
+
+
+def test_load_round_trip(built: ShardSet) -> None:
+    loaded = ShardSet.load(built.root)
+    assert loaded == built
+    assert loaded.path(0) == built.root / "shard_00000.bin"
+    with pytest.raises(IndexError):
+        loaded.path(len(loaded.shards))
+
+
+def _copy_set(src: ShardSet, dst: Path) -> ShardSet:
+    dst.mkdir()
+    for path in src.root.iterdir():
+        (dst / path.name).write_bytes(path.read_bytes())
+    return ShardSet.load(dst)
+
+
+def test_load_detects_size_mismatch(built: ShardSet, tmp_path: Path) -> None:
+    copy = _copy_set(built, tmp_path / "c")
+    victim = copy.root / copy.shards[2].name
+    with open(victim, "ab") as fh:
+        fh.write(b"!")
+    with pytest.raises(ValueError, match=copy.shards[2].name) as excinfo:
+        ShardSet.load(copy.root)
+    assert "size" in str(excinfo.value)
+
+
+def test_load_detects_hash_mismatch(built: ShardSet, tmp_path: Path) -> None:
+    copy = _copy_set(built, tmp_path / "c")
+    victim = copy.root / copy.shards[0].name
+    content = bytearray(victim.read_bytes())
+    content[100] ^= 0xFF
+    victim.write_bytes(bytes(content))
+    with pytest.raises(ValueError, match=copy.shards[0].name) as excinfo:
+        ShardSet.load(copy.root)
+    assert "sha256" in str(excinfo.value)
+    # Size-only validation does not notice a same-size change.
+    assert ShardSet.load(copy.root, verify_hashes=False).shards == copy.shards
+
+
+def test_load_detects_missing_shard(built: ShardSet, tmp_path: Path) -> None:
+    copy = _copy_set(built, tmp_path / "c")
+    (copy.root / copy.shards[-1].name).unlink()
+    with pytest.raises(ValueError, match=copy.shards[-1].name):
+        ShardSet.load(copy.root)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda index: "{not json",
+        lambda index: json.dumps({**index, "shards": None}),
+        lambda index: json.dumps({**index, "shards": []}),
+        lambda index: json.dumps({**index, "shards": [{"name": "shard_00000.bin"}]}),
+        lambda index: json.dumps(
+            {**index, "shards": [{**index["shards"][0], "name": "../outside.bin"}]}
+        ),
+    ],
+)
+def test_load_rejects_malformed_index(
+    built: ShardSet, tmp_path: Path, mutate: Any
+) -> None:
+    copy = _copy_set(built, tmp_path / "c")
+    index_path = copy.root / INDEX_NAME
+    index_path.write_text(mutate(json.loads(index_path.read_text())))
+    with pytest.raises(ValueError, match=INDEX_NAME):
+        ShardSet.load(copy.root)
+
+
+def test_load_without_index(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        ShardSet.load(tmp_path)
+
+
+def test_samples_in_shard() -> None:
+    assert samples_in_shard(0, 4) == 0
+    assert samples_in_shard(4, 4) == 0
+    assert samples_in_shard(5, 4) == 1
+    assert samples_in_shard(14, 4) == 2
+    assert samples_in_shard(15, 4) == 3
+    with pytest.raises(ValueError):
+        samples_in_shard(10, 0)
+    with pytest.raises(ValueError):
+        samples_in_shard(-1, 4)
+
+
+@pytest.mark.parametrize("seq_len", [1, 127, 128, 1000])
+def test_sample_windows_match_corpus(built: ShardSet, corpus: bytes, seq_len: int) -> None:
+    width = seq_len + 1
+    offset = 0
+    for shard, info in enumerate(built.shards):
+        count = samples_in_shard(info.size, seq_len)
+        assert count == info.size // width
+        with ShardReader(built.path(shard), seq_len) as reader:
+            assert len(reader) == count
+            for j in sorted({0, 1, count // 2, count - 1}):
+                expected = torch.tensor(
+                    list(corpus[offset + j * width : offset + (j + 1) * width]), dtype=torch.int64
+                )
+                got = read_sample(built.path(shard), j, seq_len)
+                assert got.dtype == torch.int64 and got.shape == (width,)
+                assert torch.equal(got, expected)
+                assert torch.equal(reader[j], expected)
+        offset += info.size
+
+
+def test_global_locate_matches_per_shard_counts(built: ShardSet) -> None:
+    seq_len = 128
+    counts = built.samples_per_shard(seq_len)
+    assert built.num_samples(seq_len) == sum(counts)
+    assert built.locate(0, seq_len) == (0, 0)
+    assert built.locate(counts[0], seq_len) == (1, 0)
+    assert built.locate(sum(counts) - 1, seq_len) == (len(counts) - 1, counts[-1] - 1)
+    with pytest.raises(IndexError):
+        built.locate(sum(counts), seq_len)
+    with pytest.raises(IndexError):
+        built.locate(-1, seq_len)
+
+
+def test_read_sample_bounds(built: ShardSet) -> None:
+    path = built.path(0)
+    count = samples_in_shard(built.shards[0].size, 128)
+    read_sample(path, count - 1, 128)  # last one is fine
+    with pytest.raises(IndexError):
+        read_sample(path, count, 128)
+    with pytest.raises(IndexError):
+        read_sample(path, -1, 128)
+    with pytest.raises(ValueError):
+        read_sample(path, 0, 0)
+    with pytest.raises(FileNotFoundError):
+        read_sample(built.root / "nope.bin", 0, 128)
+
+
+def test_read_sample_reads_only_the_window(
+    built: ShardSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[int] = []
+    seeks: list[int] = []
+
+    class Spy(io.FileIO):
+        def read(self, size: int = -1) -> bytes:  # type: ignore[override]
+            reads.append(size)
+            return super().read(size)
+
+        def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+            seeks.append(pos)
+            return super().seek(pos, whence)
+
+    monkeypatch.setattr(data, "open", lambda path, mode: Spy(path, "r"), raising=False)
+    sample = read_sample(built.path(3), 5, 64)
+    assert sample.shape == (65,)
+    assert seeks == [5 * 65]
+    assert reads == [65]
+
+
+def test_shard_reader_batch_and_close(built: ShardSet) -> None:
+    reader = ShardReader(built.path(1), 32)
+    batch = reader.batch([0, 7, 3])
+    assert batch.shape == (3, 33) and batch.dtype == torch.int64
+    assert torch.equal(batch[1], read_sample(built.path(1), 7, 32))
+    assert reader.batch([]).shape == (0, 33)
+    with pytest.raises(IndexError):
+        reader[len(reader)]
+    reader.close()
+    with pytest.raises(ValueError):
+        reader[0]
+
+
+def test_shard_reader_empty_file(tmp_path: Path) -> None:
+    empty = tmp_path / "shard_00000.bin"
+    empty.write_bytes(b"")
+    reader = ShardReader(empty, 8)
+    assert len(reader) == 0
+    with pytest.raises(IndexError):
+        reader[0]
+
+
+def test_step_sample_ids_disjoint_and_stateless() -> None:
+    num_samples, world, batch = 50, 2, 4
+    seen: list[int] = []
+    for step in range(6):  # 6 * 8 = 48 samples, all inside epoch 0
+        per_rank = [step_sample_ids(step, r, world, batch, num_samples, seed=3) for r in range(2)]
+        assert not set(per_rank[0]) & set(per_rank[1])
+        seen += per_rank[0] + per_rank[1]
+        # Asking again (as a resumed run would) gives the same answer.
+        assert step_sample_ids(step, 1, world, batch, num_samples, seed=3) == per_rank[1]
+    assert len(set(seen)) == 48 and all(0 <= i < num_samples for i in seen)
+    # Step 6 crosses into epoch 1 and still returns valid ids.
+    crossing = step_sample_ids(6, 0, world, batch, num_samples, seed=3)
+    assert len(crossing) == batch and all(0 <= i < num_samples for i in crossing)
+    assert step_sample_ids(0, 0, world, batch, num_samples, seed=4) != step_sample_ids(
+        0, 0, world, batch, num_samples, seed=3
+    )
+
+
+def test_step_sample_ids_does_not_touch_global_rng() -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    step_sample_ids(2, 0, 2, 4, 100)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_step_sample_ids_errors() -> None:
+    with pytest.raises(ValueError):
+        step_sample_ids(0, 2, 2, 4, 100)
+    with pytest.raises(ValueError):
+        step_sample_ids(0, 0, 2, 4, 7)
+    with pytest.raises(ValueError):
+        step_sample_ids(-1, 0, 2, 4, 100)
+
+
+def test_shard_info_is_frozen() -> None:
+    info = ShardInfo("shard_00000.bin", 1, "00")
+    with pytest.raises(AttributeError):
+        info.size = 2  # type: ignore[misc]
