@@ -89,9 +89,38 @@ def launch(label: str, workdir: Path, data: Path, args: argparse.Namespace, volu
     if volume is not None:
         cmd += ["--volume", volume]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # A new session: the kill takes torchrun and every rank at once, as a preemption would.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Job(label, proc, events)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (from /proc). torchrun starts each rank in a session of its
+    own, so killing torchrun's process group alone would leave the ranks running."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def kill_job(job: Job) -> None:
+    """SIGKILL torchrun and every rank at once, as a preemption would."""
+    for pid in _process_tree(job.proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.proc.wait()
 
 
 def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
@@ -111,8 +140,7 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
             elif kind == "save_start":
                 say(f"  [{job.label}] checkpoint step {ev['step']}: async_save returned after {ev['blocked_s']:.3f} s, uploading")
                 if kill_at is not None and ev["step"] == kill_at:
-                    os.killpg(job.proc.pid, signal.SIGKILL)
-                    job.proc.wait()
+                    kill_job(job)
                     say(f"  [{job.label}] SIGKILL (preemption) while checkpoint step {ev['step']} was uploading")
                     return "killed"
             elif kind == "save_done":
@@ -122,8 +150,7 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
             job.poll_events()
             return "done" if job.proc.returncode == 0 else "failed"
         if time.time() > deadline:
-            os.killpg(job.proc.pid, signal.SIGKILL)
-            job.proc.wait()
+            kill_job(job)
             return "failed"
         time.sleep(0.2)
 
