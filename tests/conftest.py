@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["tests.s3_fixtures"]
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -73,6 +75,8 @@ def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path, *args: str, nproc: int = 2, timeout: float = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    return run_script([exe, "--standalone", f"--nproc_per_node={nproc}", str(script), *args], timeout=timeout)
+    return run_script([exe, "--standalone", f"--nproc_per_node={nproc}", str(script), *args], timeout=timeout, env=env)

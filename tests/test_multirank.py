@@ -1,5 +1,6 @@
-"""Two real ranks under torchrun (gloo on CPU): save with UCVolumeWriter in every DCP mode, load
-resharded, partially, and with the stock reader."""
+"""Two real ranks under torchrun (gloo on CPU): save with UCVolumeWriter in every DCP mode to a local
+volume and to S3 (moto over HTTP), load resharded and partially (and with the stock reader where it
+applies); and a save against a store that refuses every upload fails cleanly on both ranks."""
 
 from __future__ import annotations
 
@@ -8,16 +9,36 @@ from pathlib import Path
 import pytest
 
 from .conftest import SCRIPTS, torchrun
+from .s3_fixtures import FaultProxy, s3_client
 
-MODES = ("sync", "thread", "process")
+LOCAL_MODES = ("sync", "thread", "process")
+S3_MODES = ("sync", "process", "fail")
 
 
 @pytest.mark.slow
-def test_two_ranks_all_modes(tmp_path: Path) -> None:
-    proc = torchrun(SCRIPTS / "multirank_roundtrip.py", str(tmp_path), *MODES, nproc=2, timeout=1400)
+def test_two_ranks_local_and_s3(tmp_path: Path, s3_server: str, s3_bucket: str, fault_proxy: FaultProxy) -> None:
+    # Uploads (PUT) fail; HEAD/LIST work, so the failure comes during write_data on every rank.
+    fault_proxy.match = lambda method, path: method == "PUT"
+    fault_proxy.fail_all = True
+    s3_root = f"s3://{s3_bucket}/multi rank"
+    args: list[str] = []
+    for mode in LOCAL_MODES:
+        args += [str(tmp_path), mode]
+    for mode in S3_MODES:
+        args += [s3_root, mode]
+    proc = torchrun(
+        SCRIPTS / "multirank_roundtrip.py", *args, nproc=2, timeout=1400,
+        env={"AWS_ENDPOINT_URL": s3_server, "UC_TEST_FAIL_ENDPOINT": fault_proxy.url},
+    )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    for mode in MODES:
+    assert proc.returncode == 0, out[-6000:]
+    for mode in (*LOCAL_MODES, *S3_MODES):
         for rank in (0, 1):
-            assert f"RANK {rank} {mode} OK" in proc.stdout, out[-4000:]
+            assert f"RANK {rank} {mode} OK" in proc.stdout, out[-6000:]
+    for mode in LOCAL_MODES:
         assert (tmp_path / mode / ".metadata").is_file()
+    stored = [o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+    for mode in ("sync", "process"):
+        assert f"multi rank/{mode}/.metadata" in stored
+    assert not [k for k in stored if k.startswith("multi rank/fail/")]
+    assert fault_proxy.injected["throttle"] >= 2  # both ranks' uploads were refused

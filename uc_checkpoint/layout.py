@@ -5,12 +5,16 @@ A checkpoint is DCP's standard layout: data files ``__<rank>_<save token>_<n>.di
 The save token in data file names keeps a new save at the same location from overwriting files the
 published ``.metadata`` still points at, so readers always see the old checkpoint or the new one.
 
-uc_checkpoint adds a manifest of every data file (size in bytes and CRC-32) as the plain-dict
-attribute ``uc_manifest`` of the ``Metadata`` object. It is inside ``.metadata``, so it is published
-atomically with it; stock ``FileSystemReader`` ignores it. Shape::
+uc_checkpoint adds a manifest of every data file (size in bytes, CRC-32 of the whole file and of each
+block, see :mod:`uc_checkpoint.integrity`) as the plain-dict attribute ``uc_manifest`` of the
+``Metadata`` object. It is inside ``.metadata``, so it is published atomically with it; stock
+``FileSystemReader`` ignores it. Shape::
 
-    {"format": 1, "save_id": str, "checksum": "crc32",
-     "files": {name: {"size": int, "crc32": "8 hex digits"}}}
+    {"format": 2, "save_id": str, "checksum": "crc32",
+     "files": {name: {"size": int, "crc32": "8 hex digits",
+                      "block_size": int, "blocks": bytes (big-endian uint32 per block)}}}
+
+Format 1 (written by the first release) has no ``block_size``/``blocks``; it still loads.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .volumes.base import FileRecord
+from .integrity import FileRecord
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 MANIFEST_ATTR = "uc_manifest"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+_READABLE_FORMATS = (1, 2)
 
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
@@ -59,16 +64,33 @@ def build_manifest(save_id: str, records: Iterable[FileRecord]) -> dict[str, Any
         "format": MANIFEST_FORMAT,
         "save_id": save_id,
         "checksum": "crc32",
-        "files": {r.name: {"size": r.size, "crc32": r.crc32} for r in records},
+        "files": {
+            r.name: {"size": r.size, "crc32": r.crc32, "block_size": r.block_size, "blocks": r.block_crc32}
+            for r in records
+        },
     }
 
 
 def manifest_of(metadata: Metadata) -> Mapping[str, Any] | None:
     """The manifest stored in ``metadata``, or ``None`` for checkpoints written by other writers."""
     manifest = getattr(metadata, MANIFEST_ATTR, None)
-    if isinstance(manifest, Mapping) and manifest.get("format") == MANIFEST_FORMAT:
+    if isinstance(manifest, Mapping) and manifest.get("format") in _READABLE_FORMATS:
         return manifest
     return None
+
+
+def manifest_records(manifest: Mapping[str, Any] | None) -> dict[str, FileRecord]:
+    """The manifest's files as :class:`FileRecord` by name (empty without a manifest)."""
+    out: dict[str, FileRecord] = {}
+    for name, entry in ((manifest or {}).get("files") or {}).items():
+        out[name] = FileRecord(
+            name=name,
+            size=int(entry["size"]),
+            crc32=str(entry["crc32"]),
+            block_size=int(entry.get("block_size", 0)),
+            block_crc32=bytes(entry.get("blocks", b"")),
+        )
+    return out
 
 
 def referenced_files(metadata: Metadata) -> dict[str, int]:

@@ -5,24 +5,37 @@ into a local staging cache, and deserialises each file as soon as it has arrived
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import pickle
+import queue
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import as_completed
-from typing import Any
+from contextlib import contextmanager
+from typing import IO, Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from . import layout
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UCCheckpointError, VolumeError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError, VolumeError
+from .integrity import FileRecord, verify_blocks
+from .ranges import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_GAP_BYTES,
+    DEFAULT_MAX_RANGE_BYTES,
+    ByteBudget,
+    RangeRequest,
+    plan_ranges,
+)
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
 from .transfer import TransferPool
-from .volumes import FileRecord, Volume, open_volume
+from .volumes import Volume, open_volume
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +55,17 @@ class UCVolumeReader(FileSystemReader):
             :class:`~uc_checkpoint.volumes.Volume`); ``checkpoint_id=`` replaces it.
         staging_dir: local cache for fetched files (default ``$UC_CHECKPOINT_STAGING_DIR`` or the
             system temp dir); each file is deleted once deserialised.
-        download_workers: files fetched at once per rank.
-        verify_checksums: check every fetched file against the size and CRC-32 recorded in the
-            checkpoint's manifest (checkpoints without one are checked for size only).
+        download_workers: files (or byte ranges) fetched at once per rank.
+        verify_checksums: check every fetched byte against the CRC-32s recorded in the
+            checkpoint's manifest: of the whole file, or of each 4 MiB block a ranged read covers
+            (checkpoints without a manifest are checked for size only).
+        prefetch_files: ``True``: download each needed file whole into ``staging_dir``, then read
+            it. ``False``: fetch only the byte ranges the load plan needs into memory (ranges of a
+            file closer than ``range_gap_bytes`` are merged; big ranges are fetched as parallel
+            pieces of ``range_chunk_bytes``). ``None`` (default): ranges on object stores and
+            fsspec volumes, whole files on local and FUSE paths.
+        max_inflight_bytes: ranged reads hold at most this many fetched bytes in memory before
+            they are deserialised (one range larger than this is fetched alone).
 
     Raises (inside DCP's ``CheckpointException``):
         CheckpointNotFoundError: no ``.metadata`` at the location.
@@ -59,23 +80,47 @@ class UCVolumeReader(FileSystemReader):
         staging_dir: str | os.PathLike[str] | None = None,
         download_workers: int = 4,
         verify_checksums: bool = True,
+        prefetch_files: bool | None = None,
+        max_inflight_bytes: int = 256 << 20,
+        range_gap_bytes: int = DEFAULT_GAP_BYTES,
+        range_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if download_workers < 1:
             raise ValueError(f"download_workers must be >= 1, got {download_workers}")
+        for arg, value in (("max_inflight_bytes", max_inflight_bytes), ("range_chunk_bytes", range_chunk_bytes)):
+            if value < 1:
+                raise ValueError(f"{arg} must be >= 1, got {value}")
+        if range_gap_bytes < 0:
+            raise ValueError(f"range_gap_bytes must be >= 0, got {range_gap_bytes}")
         super().__init__(path=".")
         self.path = None  # type: ignore[assignment]  # the cache dir, set per load in read_data
         self._location: str | Volume = path if isinstance(path, Volume) else os.fspath(path)
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         self.download_workers = download_workers
         self.verify_checksums = verify_checksums
+        self.prefetch_files = prefetch_files
+        self.max_inflight_bytes = max_inflight_bytes
+        self.range_gap_bytes = range_gap_bytes
+        self.range_chunk_bytes = range_chunk_bytes
         self._manifest: Mapping[str, Any] | None = None
+        self._records: dict[str, FileRecord] = {}
         self._metadata_error: UCCheckpointError | None = None
         self._min_sizes: dict[str, int] = {}
+        self._volume: Volume | None = None
+        self._window: tuple[int, memoryview] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_volume"] = None
+        state["_window"] = None
+        return state
 
     @property
     def volume(self) -> Volume:
-        """The checkpoint's location as a :class:`Volume` (created on use)."""
-        return open_volume(self._location)
+        """The checkpoint's location as a :class:`Volume` (created on first use, never pickled)."""
+        if self._volume is None:
+            self._volume = open_volume(self._location)
+        return self._volume
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]
@@ -93,7 +138,9 @@ class UCVolumeReader(FileSystemReader):
         super().reset(None)
         if checkpoint_id:
             self._location = os.fspath(checkpoint_id)
+            self._volume = None
         self._manifest = None
+        self._records = {}
         self._metadata_error = None
 
     # ---- metadata -----------------------------------------------------------------------------
@@ -149,23 +196,42 @@ class UCVolumeReader(FileSystemReader):
             raise self._metadata_error or CheckpointNotFoundError(f"no checkpoint at {self.volume.url}")
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._manifest = layout.manifest_of(metadata)
+        self._records = layout.manifest_records(self._manifest)
         self._min_sizes = layout.referenced_files(metadata)
 
     # ---- data ---------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         volume = self.volume
+        rank = self.rank if self.rank is not None else 0
+        ranged = volume.prefers_ranged_reads if self.prefetch_files is None else not self.prefetch_files
+        started = time.perf_counter()
+        if ranged:
+            nfiles, nbytes = self._read_ranges(volume, plan, planner, rank)
+        else:
+            nfiles, nbytes = self._read_files(volume, plan, planner, rank)
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "rank %d: %d bytes of %d files from %s (%s) in %.3f s (%.1f MB/s)",
+            rank, nbytes, nfiles, volume.url, "ranges" if ranged else "whole files", elapsed,
+            nbytes / max(elapsed, 1e-9) / 1e6,
+        )
+        fut_done: Future[None] = Future()
+        fut_done.set_result(None)
+        return fut_done
+
+    def _read_files(self, volume: Volume, plan: LoadPlan, planner: LoadPlanner, rank: int) -> tuple[int, int]:
+        """Download each needed file whole into staging, verify it, deserialise it; files are
+        fetched in parallel and each is deserialised as soon as it has arrived."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        rank = self.rank if self.rank is not None else 0
         cache = create_staging_dir(staging_dir_for(self.staging_dir, "load", volume.url, self.load_id, rank))
         self.path = cache  # type: ignore[assignment]  # FileSystemReader reads fetched files here
-        started = time.perf_counter()
         nbytes = 0
 
         def fetch(name: str) -> FileRecord:
             record = volume.download_file(name, cache / name)
-            self._verify(volume, record, self._min_sizes.get(name, 0))
+            self._verify_file(volume, record, self._min_sizes.get(name, 0))
             return record
 
         pool = TransferPool(self.download_workers, name=f"uc-download-r{rank}")
@@ -173,37 +239,164 @@ class UCVolumeReader(FileSystemReader):
             futures = {pool.submit(fetch, name): name for name in per_file}
             for fut in as_completed(futures):
                 name = futures[fut]
-                record = fut.result()
-                nbytes += record.size
-                # Deserialise this file while the others are still being fetched.
+                nbytes += fut.result().size
                 super().read_data(dataclasses.replace(plan, items=per_file[name]), planner).wait()
                 (cache / name).unlink(missing_ok=True)
         finally:
             pool.shutdown(cancel_pending=True)
             remove_staging_dir(cache)
-        elapsed = time.perf_counter() - started
-        logger.info(
-            "rank %d: %d files, %d bytes from %s in %.3f s (%.1f MB/s)",
-            rank, len(per_file), nbytes, volume.url, elapsed, nbytes / max(elapsed, 1e-9) / 1e6,
-        )
-        fut_done: Future[None] = Future()
-        fut_done.set_result(None)
-        return fut_done
+        return len(per_file), nbytes
 
-    def _verify(self, volume: Volume, record: FileRecord, min_size: int) -> None:
+    def _read_ranges(self, volume: Volume, plan: LoadPlan, planner: LoadPlanner, rank: int) -> tuple[int, int]:
+        """Fetch only the byte ranges the plan needs, in parallel pieces, with at most
+        ``max_inflight_bytes`` fetched ahead of deserialisation; verify each range's checksum
+        blocks; deserialise each range as soon as it is complete."""
+        spans = []
+        for item in plan.items:
+            info: _StorageInfo = self.storage_data[item.storage_index]
+            spans.append((info.relative_path, info.offset, info.length, item))
+        sizes = {name: rec.size for name, rec in self._records.items()}
+        blocks = {name: rec.block_size for name, rec in self._records.items()} if self.verify_checksums else {}
+        requests = plan_ranges(
+            spans,
+            file_sizes={**self._min_sizes, **sizes},
+            block_sizes=blocks,
+            gap_bytes=self.range_gap_bytes,
+            max_range_bytes=max(DEFAULT_MAX_RANGE_BYTES, self.range_chunk_bytes),
+        )
+        done: queue.Queue[tuple[RangeRequest[ReadItem], bytearray | None, BaseException | None]] = queue.Queue()
+        budget = ByteBudget(self.max_inflight_bytes)
+        pool = TransferPool(self.download_workers, name=f"uc-range-r{rank}")
+        nbytes = 0
+
+        def start(req: RangeRequest[ReadItem]) -> None:
+            buf = bytearray(req.nbytes)
+            pieces = req.pieces(self.range_chunk_bytes)
+            remaining = [len(pieces)]
+            failed: list[BaseException] = []
+            lock = threading.Lock()
+
+            def fetch(lo: int, hi: int) -> None:
+                try:
+                    if not failed:
+                        buf[lo - req.start : hi - req.start] = volume.read_range(req.name, lo, hi)
+                except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
+                    failed.append(exc)
+                with lock:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if last:
+                    done.put((req, None if failed else buf, failed[0] if failed else None))
+
+            for lo, hi in pieces:
+                pool.submit(fetch, lo, hi)
+
+        def consume() -> None:
+            nonlocal nbytes
+            req, buf, exc = done.get()
+            if exc is not None:
+                if isinstance(exc, UCCheckpointError):
+                    raise exc
+                raise TransferError(f"reading {volume.describe(req.name)} failed: {exc}") from exc
+            assert buf is not None
+            self._deserialise_range(volume, req, memoryview(buf), plan, planner)
+            nbytes += req.nbytes
+            budget.give(req.nbytes)
+
+        outstanding = 0
+        try:
+            for req in requests:
+                while not budget.try_take(req.nbytes):
+                    consume()
+                    outstanding -= 1
+                start(req)
+                outstanding += 1
+            while outstanding:
+                consume()
+                outstanding -= 1
+        finally:
+            pool.shutdown(cancel_pending=True)
+        return len({r.name for r in requests}), nbytes
+
+    def _deserialise_range(
+        self, volume: Volume, req: RangeRequest[ReadItem], data: memoryview, plan: LoadPlan, planner: LoadPlanner
+    ) -> None:
+        record = self._records.get(req.name)
+        where = volume.describe(req.name)
+        if record is not None and self.verify_checksums:
+            verify_blocks(data, req.start, record, where)
+        # DCP's own deserialiser reads every item through _slice_file; point it at this buffer.
+        self._window = (req.start, data)
+        fs = self.fs
+        self.fs = _NoFileSystem()
+        try:
+            super().read_data(dataclasses.replace(plan, items=req.items), planner).wait()
+        finally:
+            self.fs = fs
+            self._window = None
+
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+        if self._window is None:
+            return super()._slice_file(file, sinfo)
+        base, data = self._window
+        lo = sinfo.offset - base
+        return _MemoryReader(data[lo : lo + sinfo.length])
+
+    def _verify_file(self, volume: Volume, record: FileRecord, min_size: int) -> None:
         where = volume.describe(record.name)
-        expected = (self._manifest or {}).get("files", {}).get(record.name)
+        expected = self._records.get(record.name)
         if expected is not None:
-            if record.size != expected["size"]:
+            if record.size != expected.size:
                 raise CorruptCheckpointError(
-                    f"{where} has {record.size} bytes, the checkpoint recorded {expected['size']} (truncated or replaced)"
+                    f"{where} has {record.size} bytes, the checkpoint recorded {expected.size} (truncated or replaced)"
                 )
-            if self.verify_checksums and record.crc32 != expected["crc32"]:
+            if self.verify_checksums and record.crc32 != expected.crc32:
                 raise CorruptCheckpointError(
-                    f"{where} fails its checksum: crc32 {record.crc32}, recorded {expected['crc32']}"
+                    f"{where} fails its checksum: crc32 {record.crc32}, recorded {expected.crc32}"
                 )
         elif record.size < min_size:
             raise CorruptCheckpointError(f"{where} has {record.size} bytes, the checkpoint needs at least {min_size}")
+
+
+class _NoFileSystem(FileSystem):
+    """Stands in for the filesystem while items are deserialised from memory: no file is opened."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[IO[bytes]]:
+        yield None  # type: ignore[misc]  # _slice_file ignores it
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return suffix
+
+
+class _MemoryReader(io.RawIOBase):
+    """A read-only, seekable stream over a memoryview, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        chunk = self._data[self._pos : self._pos + len(b)]
+        n = len(chunk)
+        memoryview(b).cast("B")[:n] = chunk
+        self._pos += n
+        return n
 
 
 def _check_file_names(metadata: Metadata, volume: Volume) -> None:

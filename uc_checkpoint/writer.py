@@ -78,8 +78,7 @@ class _UploadedStorageInfo(_StorageInfo):
     rank's ``write_data`` to the coordinator's ``finish`` and is turned back into a plain
     ``_StorageInfo`` before ``.metadata`` is written, so stock readers can load the checkpoint."""
 
-    file_size: int = -1
-    file_crc32: str = ""
+    record: FileRecord | None = None
 
     def plain(self) -> _StorageInfo:
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
@@ -170,12 +169,21 @@ class UCVolumeWriter(FileSystemWriter):
         self.sync_volume = sync_files
         self.is_coordinator = False
         self._save_token = uuid.uuid4().hex[:8]
+        self._volume: Volume | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's PROCESS mode pickles the writer: clients and pools are rebuilt on the other side.
+        state = dict(self.__dict__)
+        state["_volume"] = None
+        return state
 
     # ---- identity -----------------------------------------------------------------------------
     @property
     def volume(self) -> Volume:
-        """The checkpoint's location as a :class:`Volume` (created on use, never pickled)."""
-        return open_volume(self._location)
+        """The checkpoint's location as a :class:`Volume` (created on first use, never pickled)."""
+        if self._volume is None:
+            self._volume = open_volume(self._location)
+        return self._volume
 
     @property
     def checkpoint_id(self) -> str:  # type: ignore[override]
@@ -193,6 +201,7 @@ class UCVolumeWriter(FileSystemWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self._location = os.fspath(checkpoint_id)
+            self._volume = None
         self.save_id = str(uuid.uuid4())
 
     # ---- planning -----------------------------------------------------------------------------
@@ -235,6 +244,11 @@ class UCVolumeWriter(FileSystemWriter):
             if not self.overwrite:
                 raise CheckpointExistsError(f"{volume.describe(meta)} exists and overwrite=False")
             logger.info("replacing the checkpoint published at %s", volume.url)
+        # Uploads a killed save left behind (S3 multipart uploads) cost storage and are never
+        # completed; no rank of this save has started uploading yet.
+        aborted = volume.abort_incomplete_uploads()
+        if aborted:
+            logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [
@@ -264,12 +278,12 @@ class UCVolumeWriter(FileSystemWriter):
         sync = self.sync_volume
 
         def upload(local: Path) -> FileRecord:
-            record = volume.upload_file(local, local.name, sync=sync)
             staged_size = local.stat().st_size
-            landed = volume.size(local.name)
-            if record.size != staged_size or landed != staged_size:
+            record = volume.upload_file(local, local.name, sync=sync)  # verifies what landed
+            if record.size != staged_size:
                 raise TransferError(
-                    f"{volume.describe(local.name)} landed with {landed} bytes, expected {staged_size}"
+                    f"{volume.describe(local.name)} was uploaded with {record.size} bytes, "
+                    f"{local} has {staged_size}"
                 )
             local.unlink()  # free staging space as soon as the file is safe on the volume
             return record
@@ -304,8 +318,7 @@ class UCVolumeWriter(FileSystemWriter):
                         info.offset,
                         info.length,
                         info.transform_descriptors,
-                        file_size=record.size,
-                        file_crc32=record.crc32,
+                        record=record,
                     ),
                 )
             )
@@ -328,7 +341,8 @@ class UCVolumeWriter(FileSystemWriter):
             for wr in rank_results:
                 info = wr.storage_data
                 if isinstance(info, _UploadedStorageInfo):
-                    records[info.relative_path] = FileRecord(info.relative_path, info.file_size, info.file_crc32)
+                    if info.record is not None:
+                        records[info.relative_path] = info.record
                     info = info.plain()
                 storage_md[wr.index] = info
         # Every data file of every rank must be on the volume, whole, before .metadata exists.

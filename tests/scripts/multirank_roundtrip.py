@@ -1,8 +1,14 @@
 """Run under ``torchrun --nproc_per_node=N``: save a sharded state dict with UCVolumeWriter
-(``sync``, ``thread`` or ``process`` async mode), then load it back resharded, partially, and with
-DCP's stock FileSystemReader. Prints ``RANK <r> OK`` on success; any mismatch raises.
+(``sync``, ``thread`` or ``process`` async mode), then load it back resharded, partially, and (on
+local volumes) with DCP's stock FileSystemReader. Prints ``RANK <r> <mode> OK`` on success; any
+mismatch raises.
 
-Usage: multirank_roundtrip.py ROOT MODE [MODE ...]   (each mode saves to ROOT/MODE)
+Mode ``fail`` expects every save to fail (the root points at a store that refuses every request):
+each rank must get DCP's CheckpointException with our TransferError/VolumeError inside, none may
+hang, and no ``.metadata`` may appear.
+
+Usage: multirank_roundtrip.py ROOT MODE [ROOT MODE ...]   (each saves to ROOT/MODE; ROOT is a path
+or URL; ``s3://`` roots use boto3's configuration from the environment, e.g. AWS_ENDPOINT_URL)
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.errors import TransferError, VolumeError
+from uc_checkpoint.volumes import LocalVolume, S3Volume, open_volume
 
 warnings.filterwarnings("ignore")
 
@@ -30,12 +39,34 @@ def full_values() -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    root, modes = sys.argv[1], sys.argv[2:]
+    pairs = sys.argv[1:]
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for mode in modes:
-        round_trip(os.path.join(root, mode), mode, mesh)
+    for root, mode in zip(pairs[::2], pairs[1::2]):
+        dest = f"{root.rstrip('/')}/{mode}"
+        if mode == "fail":
+            expect_failure(dest)
+        else:
+            round_trip(dest, mode, mesh)
     dist.destroy_process_group()
+
+
+def expect_failure(dest: str) -> None:
+    rank = dist.get_rank()
+    volume = open_volume(dest)
+    if isinstance(volume, S3Volume):  # the failing endpoint: UC_TEST_FAIL_ENDPOINT
+        volume = S3Volume(dest, endpoint_url=os.environ.get("UC_TEST_FAIL_ENDPOINT"), max_attempts=2, read_timeout=5)
+    sd = {"x": torch.randn(1000), f"r{rank}": torch.ones(3)}
+    try:
+        dcp.save(sd, storage_writer=UCVolumeWriter(volume))
+    except CheckpointException as exc:
+        inner = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        assert inner and all(isinstance(e, (TransferError, VolumeError)) for e in inner), exc.failures
+        assert any(volume.url in str(e) or volume.bucket in str(e) for e in inner), exc.failures  # type: ignore[attr-defined]
+    else:
+        raise AssertionError(f"rank {rank}: the save to {dest} succeeded against a failing store")
+    dist.barrier()
+    print(f"RANK {rank} fail OK", flush=True)
 
 
 def round_trip(dest: str, mode: str, mesh: object) -> None:
@@ -59,8 +90,10 @@ def round_trip(dest: str, mode: str, mesh: object) -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.barrier()
-    assert os.path.exists(os.path.join(dest, ".metadata")), "no .metadata after save"
-    names = sorted(n for n in os.listdir(dest) if n.endswith(".distcp"))
+    volume = open_volume(dest)
+    files = volume.list_files()
+    assert ".metadata" in files, f"no .metadata after save: {files}"
+    names = sorted(n for n in files if n.endswith(".distcp"))
     assert {n.split("_")[2] for n in names} == {str(r) for r in range(world)}, names  # every rank wrote files
 
     # Resharded: Shard(1) instead of Shard(0), plus every rank's private key.
@@ -84,10 +117,10 @@ def round_trip(dest: str, mode: str, mesh: object) -> None:
     dcp.load(part, storage_reader=UCVolumeReader(dest))
     assert torch.equal(part["b"], full["b"])
 
-    # Stock reader on the same files.
-    stock = {"w": distribute_tensor(torch.zeros(64, 48), mesh, [Shard(0)])}
-    dcp.load(stock, storage_reader=FileSystemReader(dest))
-    assert torch.equal(stock["w"].full_tensor(), full["w"])
+    if isinstance(volume, LocalVolume):  # stock reader on the same files
+        stock = {"w": distribute_tensor(torch.zeros(64, 48), mesh, [Shard(0)])}
+        dcp.load(stock, storage_reader=FileSystemReader(dest))
+        assert torch.equal(stock["w"].full_tensor(), full["w"])
 
     dist.barrier()
     print(f"RANK {rank} {mode} OK", flush=True)

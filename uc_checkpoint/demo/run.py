@@ -202,6 +202,7 @@ def run_demo(args: argparse.Namespace) -> int:
     attempts, outcome, killed_in_flight = 0, "", False
     resumes: list[dict[str, Any]] = []
     jobs: list[Job] = []
+    unpublished: set[tuple[str, int]] = set()  # (run, step) killed mid-upload and checked
     while True:
         attempts += 1
         job = launch(f"run{attempts}", workdir, shards.root, args, volume, final)
@@ -218,6 +219,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     return 1
             else:
                 killed_in_flight = True
+                unpublished.add((job.label, kill_at))
                 say(f"  checkpoint step {kill_at} has no .metadata: not published, as it must be")
             say("3/3 restart: resume from the newest published checkpoint")
             continue
@@ -227,7 +229,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
 
     problems = compare(ref_final, final)
-    print_table(jobs, vol, resumes)
+    print_table(jobs, vol, resumes, unpublished)
     elapsed = time.time() - started
     if not killed_in_flight or not resumes:
         say(f"FAIL: no preemption during an upload was exercised ({elapsed:.0f} s)")
@@ -241,21 +243,26 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]]) -> None:
+def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpublished: set[tuple[str, int]]) -> None:
     sizes = {}
-    for step, name, published in list_checkpoints(vol):
-        sizes[step] = (sum(s for s in vol.child(name).list_files().values() if s > 0), published)
+    for step, name, _published in list_checkpoints(vol):
+        sizes[step] = sum(s for s in vol.child(name).list_files().values() if s > 0)
     say("")
     say(f"{'run':6} {'step':>5} {'size MB':>8} {'blocked s':>10} {'to .metadata s':>15} {'MB/s':>7}  state")
     for job in jobs:
         starts = {e["step"]: e for e in job.events if e["event"] == "save_start"}
         dones = {e["step"]: e for e in job.events if e["event"] == "save_done"}
         for step, ev in sorted(starts.items()):
-            size, published = sizes.get(step, (0, False))
+            size = sizes.get(step, 0)
             done = dones.get(step)
             publish = f"{done['publish_s']:.3f}" if done else "-"
             rate = f"{size / 1e6 / done['publish_s']:.1f}" if done and done["publish_s"] > 0 else "-"
-            state = "published" if published and done else ("killed in flight" if not published else "published (earlier run)")
+            if done:
+                state = "published" if done["ok"] else "FAILED"
+            elif (job.label, step) in unpublished:
+                state = "killed during upload: no .metadata (checked)"
+            else:
+                state = "killed during upload"
             say(f"{job.label:6} {step:5d} {size / 1e6:8.2f} {ev['blocked_s']:10.3f} {publish:>15} {rate:>7}  {state}")
     for ev in resumes:
         d = ev["data"]

@@ -1,5 +1,5 @@
-"""Volume backends, chosen by URL: a local or FUSE-mounted path today; ``s3://`` and other fsspec
-URLs plug in here as one module each."""
+"""Volume backends, chosen by URL: a local or FUSE-mounted path, ``s3://`` through boto3, and any
+other fsspec URL."""
 
 from __future__ import annotations
 
@@ -7,27 +7,34 @@ import os
 
 from ..errors import VolumeError
 from .base import FileRecord, Volume
+from .fsspec_volume import FsspecVolume
 from .local import LocalVolume
+from .s3 import S3Volume
 
-__all__ = ["FileRecord", "LocalVolume", "Volume", "open_volume"]
+__all__ = ["FileRecord", "FsspecVolume", "LocalVolume", "S3Volume", "Volume", "open_volume"]
 
 
 def open_volume(location: str | os.PathLike[str] | Volume) -> Volume:
     """The :class:`Volume` for a checkpoint location.
 
     Args:
-        location: a local or FUSE path (``str`` or ``PathLike``), a ``file://`` URL, or a
-            :class:`Volume` (returned as is).
+        location: a local or FUSE path (``str`` or ``PathLike``) or ``file://`` URL
+            (:class:`LocalVolume`); ``s3://bucket/prefix`` (:class:`S3Volume`, boto3's default
+            configuration); any other URL fsspec knows (:class:`FsspecVolume`); or a
+            :class:`Volume`, returned as is. Build the volume yourself to pass options (endpoint,
+            client, part size, storage options).
 
     Raises:
-        VolumeError: the URL scheme has no backend.
+        VolumeError: the URL's scheme has no backend.
     """
     if isinstance(location, Volume):
         return location
     text = os.fspath(location)
     if "://" not in text:
         return LocalVolume(text)
-    scheme, _, rest = text.partition("://")
+    scheme = text.partition("://")[0].lower()
     if scheme == "file":
-        return LocalVolume(rest)
-    raise VolumeError(f"no volume backend for {text!r}: scheme {scheme!r} is not supported")
+        return LocalVolume(text[len("file://") :])
+    if scheme == "s3":
+        return S3Volume(text)
+    return FsspecVolume(text)

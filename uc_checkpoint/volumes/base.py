@@ -8,75 +8,12 @@ URL) cut down to what checkpointing needs, and torchsnapshot's storage plugins (
 
 from __future__ import annotations
 
-import zlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
-#: Bytes per read/write when a backend streams a file through Python (1 MiB: per-call overhead is
-#: already negligible, and a pool of workers holds only a few MiB of buffers).
-CHUNK_SIZE = 1 << 20
+from ..integrity import FileRecord
 
-
-@dataclass(frozen=True)
-class FileRecord:
-    """What was transferred: a file's name on the volume, its size in bytes and its CRC-32.
-
-    ``crc32`` is the zlib CRC-32 of the whole file as 8 lowercase hex digits (the same polynomial as
-    S3's ``CRC32`` checksum).
-    """
-
-    name: str
-    size: int
-    crc32: str
-
-
-class Crc32:
-    """Running CRC-32 (zlib) of a byte stream; ``zlib.crc32`` releases the GIL on large buffers, so
-    worker threads checksum in parallel."""
-
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        return f"{self._value:08x}"
-
-
-def copy_stream(src: BinaryIO, dst: BinaryIO, buffer: bytearray | None = None) -> tuple[int, str]:
-    """Copy ``src`` to ``dst`` in :data:`CHUNK_SIZE` pieces; return ``(bytes copied, crc32 hex)``."""
-    buf = buffer if buffer is not None else bytearray(CHUNK_SIZE)
-    view = memoryview(buf)
-    crc = Crc32()
-    total = 0
-    while True:
-        n = src.readinto(view)  # type: ignore[attr-defined]
-        if not n:
-            break
-        chunk = view[:n]
-        crc.update(chunk)
-        dst.write(chunk)
-        total += n
-    return total, crc.hexdigest()
-
-
-def file_crc32(path: Path) -> tuple[int, str]:
-    """Size in bytes and CRC-32 (hex) of a local file, read in :data:`CHUNK_SIZE` pieces."""
-    buf = bytearray(CHUNK_SIZE)
-    view = memoryview(buf)
-    crc = Crc32()
-    total = 0
-    with open(path, "rb") as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            crc.update(view[:n])
-            total += n
-    return total, crc.hexdigest()
+__all__ = ["FileRecord", "Volume"]
 
 
 class Volume(ABC):
@@ -88,6 +25,10 @@ class Volume(ABC):
 
     #: The location's canonical URL or path, used in every error message.
     url: str
+
+    #: Whether loads should fetch byte ranges rather than whole files (object stores: yes, a
+    #: request costs the same for 1 byte or 1 MiB; a local disk: whole files, streamed).
+    prefers_ranged_reads: bool = False
 
     def describe(self, name: str) -> str:
         """The full URL or path of ``name`` for messages."""
@@ -119,22 +60,34 @@ class Volume(ABC):
     # ---- data movement ------------------------------------------------------------------------
     @abstractmethod
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
-        """Copy a finished local file to ``name`` and return what landed.
+        """Copy a finished local file to ``name``, verify what landed, and return its record
+        (size, CRC-32, block CRC-32s; see :mod:`uc_checkpoint.integrity`).
 
         The file is written under its final name (no rename): nobody reads data files before
         ``.metadata`` points at them. With ``sync`` the data is made durable before returning.
+        Verification: the size on the volume, and the store's own checksum where it keeps one.
 
         Raises:
-            TransferError: the copy failed; the message names both ends.
+            TransferError: the copy failed or landed with another size or checksum; the message
+                names both ends.
         """
 
     @abstractmethod
     def download_file(self, name: str, local_path: Path) -> FileRecord:
-        """Copy ``name`` to a local file and return its size and CRC-32.
+        """Copy ``name`` to a local file and return its size and checksums.
 
         Raises:
             CorruptCheckpointError: ``name`` does not exist.
             TransferError: the copy failed for another reason.
+        """
+
+    @abstractmethod
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``name``.
+
+        Raises:
+            CorruptCheckpointError: ``name`` does not exist or is shorter than ``end``.
+            TransferError: the read failed for another reason.
         """
 
     @abstractmethod
@@ -157,3 +110,11 @@ class Volume(ABC):
     @abstractmethod
     def delete(self, name: str) -> None:
         """Delete ``name``; a missing file is not an error."""
+
+    def abort_incomplete_uploads(self) -> int:
+        """Abort uploads left unfinished at this location (S3 multipart uploads); return how many.
+        Stores without such state have nothing to do."""
+        return 0
+
+    def close(self) -> None:
+        """Release clients and pools (they are created again on next use)."""

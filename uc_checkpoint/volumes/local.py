@@ -15,7 +15,8 @@ import uuid
 from pathlib import Path
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from .base import FileRecord, Volume, copy_stream
+from ..integrity import Digest, FileRecord, copy_stream
+from .base import Volume
 
 logger = logging.getLogger(__name__)
 
@@ -122,28 +123,51 @@ class LocalVolume(Volume):
     # ---- data movement ------------------------------------------------------------------------
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
         dest = self._path(name)
+        digest = Digest()
         try:
             with open(local_path, "rb") as src, open(dest, "wb") as dst:
-                size, crc = copy_stream(src, dst)
+                copy_stream(src, dst, digest)
                 dst.flush()
                 if sync:
                     _fsync(dst.fileno(), str(dest))
         except OSError as exc:
             raise TransferError(f"copying {local_path} to {dest} failed: {exc}") from exc
-        return FileRecord(name=name, size=size, crc32=crc)
+        record = digest.record(name)
+        landed = self.size(name)
+        if landed != record.size:
+            raise TransferError(f"{dest} landed with {landed} bytes, {local_path} has {record.size}")
+        return record
 
     def download_file(self, name: str, local_path: Path) -> FileRecord:
         src_path = self._path(name)
+        digest = Digest()
         try:
             with open(src_path, "rb") as src, open(local_path, "wb") as dst:
-                size, crc = copy_stream(src, dst)
+                copy_stream(src, dst, digest)
         except FileNotFoundError as exc:
             if exc.filename == str(src_path) or not src_path.exists():
                 raise CorruptCheckpointError(f"checkpoint file {src_path} is missing") from exc
             raise TransferError(f"copying {src_path} to {local_path} failed: {exc}") from exc
         except OSError as exc:
             raise TransferError(f"copying {src_path} to {local_path} failed: {exc}") from exc
-        return FileRecord(name=name, size=size, crc32=crc)
+        return digest.record(name)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"checkpoint file {path} is missing") from exc
+        except OSError as exc:
+            raise TransferError(f"reading bytes {start}-{end - 1} of {path} failed: {exc}") from exc
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"checkpoint file {path} is truncated: bytes {start}-{end - 1} needed, file ends at "
+                f"{start + len(data)}"
+            )
+        return data
 
     def read_bytes(self, name: str) -> bytes | None:
         try:

@@ -1,0 +1,203 @@
+"""A volume on any fsspec filesystem (``gs://``, ``abfs://``, ``memory://``, ``hdfs://``, ...).
+
+Data files are streamed once under their final names (``fs.open(path, "wb")``); ``.metadata`` is
+published with one ``pipe_file`` call, which object-store filesystems turn into one PUT (atomic per
+object), with ``mode="create"`` when not overwriting. How atomic that is depends on the filesystem:
+on object stores it is; fsspec's local filesystem writes in place, which is why plain paths and
+``file://`` URLs go to :class:`~uc_checkpoint.volumes.local.LocalVolume` (temp file + rename)
+unless an ``FsspecVolume`` is built explicitly.
+
+``memory://`` lives in one process: it works for ``dcp.save`` and THREAD-mode ``async_save``, not
+for PROCESS mode, whose daemon process sees an empty memory filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from ..integrity import Digest, FileRecord, copy_stream
+from .base import Volume
+
+logger = logging.getLogger(__name__)
+
+
+class FsspecVolume(Volume):
+    """A checkpoint location given as an fsspec URL.
+
+    Args:
+        url: e.g. ``gs://bucket/run1/step_00000100`` or ``memory://ckpt``.
+        storage_options: passed to the filesystem (credentials, endpoints, ...); they travel with
+            the volume when DCP's PROCESS mode pickles it, so they must be picklable.
+
+    Raises:
+        VolumeError: fsspec knows no filesystem for the URL's protocol (or its package is not
+            installed).
+    """
+
+    prefers_ranged_reads = True
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        import fsspec
+
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as exc:
+            raise VolumeError(f"no filesystem for {url!r}: {exc}") from exc
+        self.url = url.rstrip("/")
+        self.storage_options = storage_options
+        self._fs: Any = None
+        self._root: str | None = None
+
+    def __repr__(self) -> str:
+        return f"FsspecVolume({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fs"] = None
+        state["_root"] = None
+        return state
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (resolved on first use)."""
+        if self._fs is None:
+            from fsspec.core import url_to_fs
+
+            self._fs, self._root = url_to_fs(self.url, **self.storage_options)
+        return self._fs
+
+    @property
+    def root(self) -> str:
+        """The location's path inside :attr:`fs`."""
+        self.fs  # noqa: B018 - resolves _root
+        assert self._root is not None
+        return self._root.rstrip("/")
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def child(self, name: str) -> FsspecVolume:
+        return FsspecVolume(f"{self.url}/{name.strip('/')}", **self.storage_options)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def prepare_for_write(self, create_parents: bool = True) -> None:
+        fs, root = self.fs, self.root
+        try:
+            if fs.isfile(root):
+                raise VolumeError(f"checkpoint location {self.url} is a file, not a directory")
+            if not create_parents and not fs.exists(root.rsplit("/", 1)[0] or "/"):
+                raise VolumeError(
+                    f"cannot create checkpoint location {self.url}: its parent does not exist (create_parents=False)"
+                )
+            fs.makedirs(root, exist_ok=True)
+        except VolumeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any filesystem's error, named
+            raise VolumeError(f"cannot write checkpoint location {self.url}: {exc}") from exc
+
+    def list_files(self) -> dict[str, int]:
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"listing {self.url} failed: {exc}") from exc
+        out: dict[str, int] = {}
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if not name or entry["name"].rstrip("/") == self.root:
+                continue
+            if entry.get("type") == "directory":
+                out[name + "/"] = -1
+            else:
+                out[name] = int(entry.get("size") or 0)
+        return out
+
+    def size(self, name: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(name))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"stat of {self.describe(name)} failed: {exc}") from exc
+        return None if info.get("type") == "directory" else int(info.get("size") or 0)
+
+    # ---- data movement ------------------------------------------------------------------------
+    def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
+        where = self.describe(name)
+        digest = Digest()
+        try:
+            with open(local_path, "rb") as src, self.fs.open(self._path(name), "wb") as dst:
+                copy_stream(src, dst, digest)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"uploading {local_path} to {where} failed: {exc}") from exc
+        record = digest.record(name)
+        landed = self.size(name)
+        if landed != record.size:
+            raise TransferError(f"{where} landed with {landed} bytes, expected {record.size}")
+        return record
+
+    def download_file(self, name: str, local_path: Path) -> FileRecord:
+        where = self.describe(name)
+        digest = Digest()
+        try:
+            with self.fs.open(self._path(name), "rb") as src, open(local_path, "wb") as dst:
+                copy_stream(src, dst, digest)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
+        return digest.record(name)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        where = self.describe(name)
+        try:
+            data = self.fs.cat_file(self._path(name), start=start, end=end)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}") from exc
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"checkpoint file {where} is truncated: bytes {start}-{end - 1} needed, got {len(data)}"
+            )
+        return bytes(data)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(self._path(name)))
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError as exc:
+            raise CorruptCheckpointError(f"{self.describe(name)} is a directory, not a file") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"reading {self.describe(name)} failed: {exc}") from exc
+
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        where = self.describe(name)
+        try:
+            if overwrite:
+                self.fs.pipe_file(self._path(name), data)
+            else:
+                if self.fs.exists(self._path(name)):
+                    raise FileExistsError(where)
+                self.fs.pipe_file(self._path(name), data, mode="create")
+        except FileExistsError as exc:
+            raise CheckpointExistsError(f"{where} already exists and overwrite=False") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"publishing {where} failed: {exc}") from exc
+        landed = self.size(name)
+        if landed != len(data):
+            raise TransferError(f"publishing {where}: {landed} bytes on the volume, expected {len(data)}")
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(name))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc

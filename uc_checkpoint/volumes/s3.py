@@ -1,0 +1,437 @@
+"""A volume that is an S3 prefix (AWS or any S3-compatible store), through boto3 and s3transfer.
+
+- Configuration is boto3's own: the credential chain, region, ``AWS_ENDPOINT_URL`` /
+  ``AWS_ENDPOINT_URL_S3`` and ``~/.aws/config`` all apply unchanged; an explicit endpoint, region,
+  addressing style, client factory or client may be passed instead.
+- Uploads go through one s3transfer ``TransferManager`` per volume object: files at or above
+  ``multipart_threshold`` become multipart uploads whose parts are sent concurrently, and
+  ``max_concurrency`` bounds the requests in flight for all files of the process together. Parts
+  are read from the staged file on demand, so memory stays at a few parts per thread.
+- Every upload is verified before it counts: the object's size, and its CRC-32 as the store
+  reports it (``x-amz-checksum-crc32``, whole-object or S3's composite multipart form) against the
+  CRC-32 computed locally. Stores that keep no checksum are verified by size; readers still check
+  the CRC-32s recorded in ``.metadata``.
+- ``.metadata`` is published with a single ``PutObject`` (atomic per object); never a
+  copy-and-delete "rename". With ``overwrite=False`` the PUT carries ``If-None-Match: *``.
+- Retries: botocore's ``standard`` mode (exponential backoff with jitter, at most 20 s between
+  attempts) on throttling (503 SlowDown), 5xx, connection errors and timeouts, at most
+  ``max_attempts`` attempts per request; a body cut off mid-download is retried here the same way.
+  Worst case per request: ``max_attempts * (connect_timeout + read_timeout + 20 s)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from ..integrity import Digest, FileRecord, crc32_base64, composite_crc32_base64, digest_file
+from .base import Volume
+
+logger = logging.getLogger(__name__)
+
+#: Files at or above this size (bytes) are uploaded as multipart uploads.
+DEFAULT_MULTIPART_THRESHOLD = 16 << 20
+#: Bytes per multipart part (s3transfer raises it for files that would need over 10,000 parts).
+DEFAULT_PART_SIZE = 16 << 20
+#: Requests in flight per volume object (all files of one save on one rank together).
+DEFAULT_MAX_CONCURRENCY = 8
+#: Attempts per request, first one included.
+DEFAULT_MAX_ATTEMPTS = 8
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``.
+
+    The prefix is taken verbatim (no URL decoding: ``%``, ``#``, ``?``, ``+`` and spaces are key
+    characters like any other); trailing slashes are dropped.
+
+    Raises:
+        VolumeError: not an ``s3://`` URL, or no bucket.
+    """
+    if not url.startswith("s3://"):
+        raise VolumeError(f"not an S3 URL: {url!r} (expected s3://bucket/prefix)")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise VolumeError(f"S3 URL {url!r} names no bucket")
+    return bucket, prefix.strip("/")
+
+
+class S3Volume(Volume):
+    """A checkpoint location ``s3://bucket/prefix``; each file is the object ``prefix/<name>``.
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        endpoint_url: S3 endpoint (default: boto3's resolution, including ``AWS_ENDPOINT_URL_S3``
+            and ``AWS_ENDPOINT_URL``).
+        region_name: region (default: boto3's resolution).
+        addressing_style: ``"path"``, ``"virtual"`` or ``"auto"`` (default: boto3's, from the
+            config file; many self-hosted stores need ``"path"``).
+        client_factory: a picklable callable returning a boto3 S3 client; used instead of building
+            one (and again in each process DCP's PROCESS mode starts).
+        client: a ready boto3 S3 client. It cannot cross processes: a volume holding one refuses to
+            be pickled (use ``client_factory`` for ``async_save`` in PROCESS mode).
+        multipart_threshold: files of at least this many bytes are uploaded in parts.
+        part_size: bytes per part.
+        max_concurrency: requests in flight for this volume object (bounded memory: about
+            ``max_concurrency * part_size`` bytes of buffers at most).
+        max_attempts: attempts per request (retries with exponential backoff and jitter).
+        connect_timeout: seconds to open a connection.
+        read_timeout: seconds without data before a response is given up (then retried).
+        checksums: ask the store to check and keep a CRC-32 of every object.
+
+    Raises:
+        VolumeError: ``url`` is not ``s3://bucket/...``.
+    """
+
+    prefers_ranged_reads = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        addressing_style: str | None = None,
+        client_factory: Callable[[], Any] | None = None,
+        client: Any = None,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        checksums: bool = True,
+    ) -> None:
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        if addressing_style not in (None, "path", "virtual", "auto"):
+            raise ValueError(f"addressing_style must be 'path', 'virtual' or 'auto', got {addressing_style!r}")
+        for arg, value in (
+            ("multipart_threshold", multipart_threshold),
+            ("part_size", part_size),
+            ("max_concurrency", max_concurrency),
+            ("max_attempts", max_attempts),
+        ):
+            if value < 1:
+                raise ValueError(f"{arg} must be >= 1, got {value}")
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+        self.addressing_style = addressing_style
+        self.client_factory = client_factory
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.max_attempts = max_attempts
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.checksums = checksums
+        self._client = client
+        self._explicit_client = client is not None
+        self._transfer: Any = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Volume({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._explicit_client:
+            raise VolumeError(
+                f"S3Volume({self.url}) holds a boto3 client, which cannot be sent to another process "
+                "(DCP's PROCESS mode pickles the storage writer); pass client_factory= or endpoint_url= "
+                "instead"
+            )
+        state = dict(self.__dict__)
+        state["_client"] = None
+        state["_transfer"] = None
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ---- clients (created on first use) -------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (built on first use)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self) -> Any:
+        if self.client_factory is not None:
+            return self.client_factory()
+        import boto3
+        from botocore.config import Config
+
+        s3_options = {"addressing_style": self.addressing_style} if self.addressing_style else None
+        config = Config(
+            retries={"mode": "standard", "total_max_attempts": self.max_attempts},
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            # Pool connections for every concurrent request: s3transfer's threads plus our own
+            # ranged reads and HEADs.
+            max_pool_connections=max(10, 2 * self.max_concurrency + 4),
+            s3=s3_options,
+        )
+        session = boto3.session.Session()
+        return session.client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name, config=config)
+
+    @property
+    def transfer_config(self) -> Any:
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(
+            multipart_threshold=self.multipart_threshold,
+            multipart_chunksize=self.part_size,
+            max_concurrency=self.max_concurrency,
+            use_threads=True,
+        )
+
+    def _transfer_manager(self) -> Any:
+        client = self.client
+        with self._lock:
+            if self._transfer is None:
+                from boto3.s3.transfer import create_transfer_manager
+
+                self._transfer = create_transfer_manager(client, self.transfer_config)
+            return self._transfer
+
+    def close(self) -> None:
+        with self._lock:
+            transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            transfer.shutdown()
+
+    # ---- names --------------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        """The object key of file ``name``."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _dir_prefix(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def child(self, name: str) -> S3Volume:
+        other = S3Volume.__new__(S3Volume)
+        other.__dict__.update(self.__dict__)
+        other.prefix = self.key(name.strip("/"))
+        other.url = f"s3://{self.bucket}/{other.prefix}"
+        other._transfer = None
+        other._lock = threading.Lock()
+        return other  # shares the client: boto3 clients are thread-safe
+
+    # ---- checks -------------------------------------------------------------------------------
+    def prepare_for_write(self, create_parents: bool = True) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:  # noqa: BLE001 - mapped to a message that names the bucket
+            status, code = _error_info(exc)
+            if status == 404 or code in ("NoSuchBucket", "404"):
+                raise VolumeError(f"cannot write {self.url}: bucket {self.bucket!r} does not exist") from exc
+            if status == 403:
+                raise VolumeError(f"cannot write {self.url}: access to bucket {self.bucket!r} denied") from exc
+            raise VolumeError(f"cannot reach bucket {self.bucket!r} for {self.url}: {exc}") from exc
+
+    def list_files(self) -> dict[str, int]:
+        prefix = self._dir_prefix()
+        out: dict[str, int] = {}
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    name = obj["Key"][len(prefix) :]
+                    if name:
+                        out[name] = int(obj["Size"])
+                for sub in page.get("CommonPrefixes", []):
+                    out[sub["Prefix"][len(prefix) :]] = -1
+        except Exception as exc:  # noqa: BLE001
+            status, code = _error_info(exc)
+            if code == "NoSuchBucket":
+                raise VolumeError(f"cannot list {self.url}: bucket {self.bucket!r} does not exist") from exc
+            raise TransferError(f"listing {self.url} failed: {exc}") from exc
+        return out
+
+    def size(self, name: str) -> int | None:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:  # noqa: BLE001
+            if _is_missing(exc):
+                return None
+            raise TransferError(f"HEAD {self.describe(name)} failed: {exc}") from exc
+        return int(head["ContentLength"])
+
+    # ---- data movement ------------------------------------------------------------------------
+    def _effective_part_size(self, size: int) -> int:
+        from s3transfer.utils import ChunksizeAdjuster
+
+        return ChunksizeAdjuster().adjust_chunksize(self.part_size, size)
+
+    def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
+        where = self.describe(name)
+        size = local_path.stat().st_size
+        multipart = size >= self.multipart_threshold
+        digest = digest_file(local_path, part_size=self._effective_part_size(size) if multipart else None)
+        extra = {"ChecksumAlgorithm": "CRC32"} if self.checksums else {}
+        try:
+            future = self._transfer_manager().upload(str(local_path), self.bucket, self.key(name), extra_args=extra)
+            future.result()
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"uploading {local_path} to {where} failed: {exc}") from exc
+        record = digest.record(name)
+        self._verify_upload(name, record, digest, multipart)
+        return record
+
+    def _verify_upload(self, name: str, record: FileRecord, digest: Digest, multipart: bool) -> None:
+        where = self.describe(name)
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name), ChecksumMode="ENABLED")
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"verifying {where} after upload failed: {exc}") from exc
+        landed = int(head["ContentLength"])
+        if landed != record.size:
+            raise TransferError(f"{where} landed with {landed} bytes, expected {record.size}")
+        reported = head.get("ChecksumCRC32")
+        if not reported:
+            logger.debug("%s: the store reports no CRC-32; verified by size", where)
+            return
+        reported = reported.split("-")[0]  # composite checksums may carry a "-<parts>" suffix
+        accepted = {crc32_base64(int(record.crc32, 16))}
+        if multipart:
+            accepted.add(composite_crc32_base64(digest.part_crc32))
+        if reported not in accepted:
+            raise TransferError(
+                f"{where} landed with CRC-32 {reported}, expected {' or '.join(sorted(accepted))} "
+                "(corrupted in transit or overwritten)"
+            )
+
+    def download_file(self, name: str, local_path: Path) -> FileRecord:
+        where = self.describe(name)
+        try:
+            self._transfer_manager().download(self.bucket, self.key(name), str(local_path)).result()
+        except Exception as exc:  # noqa: BLE001
+            if _is_missing(exc):
+                raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+            raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
+        return digest_file(local_path).record(name)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        where = self.describe(name)
+        if end <= start:
+            return b""
+        try:
+            data = self._get(name, f"bytes={start}-{end - 1}")
+        except Exception as exc:  # noqa: BLE001
+            if _is_missing(exc):
+                raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+            status, code = _error_info(exc)
+            if status == 416 or code == "InvalidRange":
+                raise CorruptCheckpointError(
+                    f"checkpoint file {where} is truncated: it ends before byte {start}"
+                ) from exc
+            raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}") from exc
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"checkpoint file {where} is truncated: bytes {start}-{end - 1} needed, got {len(data)}"
+            )
+        return data
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            return self._get(name, None)
+        except Exception as exc:  # noqa: BLE001
+            if _is_missing(exc):
+                return None
+            raise TransferError(f"reading {self.describe(name)} failed: {exc}") from exc
+
+    def _get(self, name: str, byte_range: str | None) -> bytes:
+        """GET an object (or a range of it). botocore retries a failed request; a body cut off
+        after the response started is retried here, with the same backoff shape."""
+        from botocore.exceptions import (
+            ConnectionClosedError,
+            IncompleteReadError,
+            ReadTimeoutError,
+            ResponseStreamingError,
+        )
+
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name)}
+        if byte_range:
+            kwargs["Range"] = byte_range
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                response = self.client.get_object(**kwargs)
+                return response["Body"].read()
+            except (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError) as exc:
+                if attempt == self.max_attempts:
+                    raise
+                delay = random.uniform(0, min(20.0, 0.1 * 2**attempt))  # full jitter
+                logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.describe(name), exc, attempt, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        where = self.describe(name)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
+        if self.checksums:
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+        if not overwrite:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            response = self.client.put_object(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            status, code = _error_info(exc)
+            if not overwrite and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
+                raise CheckpointExistsError(f"{where} already exists and overwrite=False") from exc
+            raise TransferError(f"publishing {where} failed: {exc}") from exc
+        reported = response.get("ChecksumCRC32")
+        if reported and reported != crc32_base64(zlib.crc32(data)):
+            raise TransferError(f"{where} was stored with CRC-32 {reported}, which does not match the bytes sent")
+
+    def delete(self, name: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:  # noqa: BLE001
+            if _is_missing(exc):
+                return
+            raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc
+
+    def abort_incomplete_uploads(self) -> int:
+        prefix = self._dir_prefix()
+        aborted = 0
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if "/" in upload["Key"][len(prefix) :]:
+                        continue  # belongs to a location below this one
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    aborted += 1
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a save
+            logger.warning("could not abort incomplete uploads under %s: %s", self.url, exc)
+        return aborted
+
+
+def _error_info(exc: BaseException) -> tuple[int | None, str]:
+    """HTTP status and S3 error code of a botocore ``ClientError`` (``(None, "")`` otherwise)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None, ""
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = str(response.get("Error", {}).get("Code", ""))
+    return status, code
+
+
+def _is_missing(exc: BaseException) -> bool:
+    status, code = _error_info(exc)
+    return status == 404 or code in ("NoSuchKey", "404", "NotFound")
