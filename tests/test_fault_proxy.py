@@ -7,8 +7,11 @@ with a client that bypasses the proxy, so a proxy that mangled bytes cannot hide
 from __future__ import annotations
 
 import hashlib
+import http.client
 import io
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -230,6 +233,80 @@ def test_stop_refuses_new_connections(s3_server: str) -> None:
     assert proxy.requests == 1
     with pytest.raises(EndpointConnectionError):
         client.list_buckets()
+
+
+class _OddFramingUpstream(BaseHTTPRequestHandler):
+    """Answers GET /chunked with a chunked body, GET /close with a close-delimited one, and
+    any PUT with the SHA-256 of the de-chunked request body plus its raw chunk lines."""
+
+    protocol_version = "HTTP/1.1"
+    PIECES = [b"alpha-", b"beta-" * 1000, b"gamma"]
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        if self.path == "/chunked":
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for piece in self.PIECES:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"".join(self.PIECES))
+            self.close_connection = True
+
+    def do_PUT(self) -> None:
+        body, sizes = b"", []
+        while True:
+            line = self.rfile.readline()
+            sizes.append(line.strip().decode())
+            size = int(line.split(b";")[0], 16)
+            if size == 0:
+                break
+            body += self.rfile.read(size)
+            self.rfile.readline()
+        trailer = self.rfile.readline().strip().decode()  # one trailer line, then CRLF
+        self.rfile.readline()
+        reply = f"{_sha(body)} {','.join(sizes)} {trailer}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+def test_reframes_responses_and_relays_chunked_requests() -> None:
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _OddFramingUpstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    expected = b"".join(_OddFramingUpstream.PIECES)
+    try:
+        with FaultProxy(f"http://127.0.0.1:{upstream.server_address[1]}") as proxy:
+            conn = http.client.HTTPConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))
+            for path in ("/chunked", "/close", "/chunked"):
+                conn.request("GET", path)
+                response = conn.getresponse()
+                assert response.read() == expected
+                assert not response.will_close  # re-chunked, so keep-alive survives
+
+            # A chunked request body goes through with its chunk sizes and trailer intact.
+            conn.putrequest("PUT", "/upload")
+            conn.putheader("Transfer-Encoding", "chunked")
+            conn.endheaders()
+            for piece in _OddFramingUpstream.PIECES:
+                conn.send(b"%x;ext=1\r\n%s\r\n" % (len(piece), piece))
+            conn.send(b"0\r\nx-amz-checksum-crc32:AAAAAA==\r\n\r\n")
+            reply = conn.getresponse().read().decode()
+            conn.close()
+        sizes = "6;ext=1,1388;ext=1,5;ext=1,0"
+        assert reply == f"{_sha(expected)} {sizes} x-amz-checksum-crc32:AAAAAA=="
+        assert proxy.connections == 1
+        assert [r.framing for r in proxy.history] == ["none"] * 3 + ["chunked"]
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
 
 
 def test_bucket_cleanup_removes_versions_and_uploads(s3_server: str) -> None:
