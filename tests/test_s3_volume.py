@@ -161,6 +161,9 @@ def test_missing_bucket_and_checkpoint_are_clear_errors(s3_server: str, staging:
     with pytest.raises(CheckpointException) as ei:
         dcp.save(make_state_dict(n=1), storage_writer=UCVolumeWriter(volume))
     assert isinstance(cause(ei), VolumeError) and "no-such-bucket-here" in str(cause(ei))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(make_state_dict(n=1), storage_reader=UCVolumeReader(volume))
+    assert isinstance(cause(ei), VolumeError) and "bucket 'no-such-bucket-here' does not exist" in str(cause(ei))
     with pytest.raises(VolumeError, match="no bucket"):
         S3Volume("s3:///prefix")
 

@@ -150,6 +150,11 @@ def test_location_that_is_a_file(tmp_path: Path, staging: Path) -> None:
         dcp.save(make_state_dict(), storage_writer=UCVolumeWriter(target / "sub"))
     assert isinstance(cause(ei), VolumeError) and str(target) in str(cause(ei))
     assert target.read_text() == "x"
+    # A plan that failed leaves no staging directory (the shared "uc-checkpoint" root may stay).
+    assert [p.name for p in staging.rglob("*")] in ([], ["uc-checkpoint"])
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(make_state_dict(), storage_reader=UCVolumeReader(target))
+    assert isinstance(cause(ei), VolumeError) and f"{target} is a file" in str(cause(ei))
 
 
 def test_missing_parent_without_create_parents(tmp_path: Path, staging: Path) -> None:

@@ -68,6 +68,7 @@ class UCVolumeReader(FileSystemReader):
             they are deserialised (one range larger than this is fetched alone).
 
     Raises (inside DCP's ``CheckpointException``):
+        VolumeError: the location is a file, or its bucket does not exist.
         CheckpointNotFoundError: no ``.metadata`` at the location.
         CorruptCheckpointError: ``.metadata`` cannot be read, or a data file is missing, truncated
             or fails its checksum. The message names the file.
@@ -178,11 +179,9 @@ class UCVolumeReader(FileSystemReader):
             if rank is None:
                 self._metadata_error = exc
                 raise
-            if not isinstance(exc, CheckpointNotFoundError):
-                raise
-            # DCP retries with rank-local metadata and, when that is missing too, replaces our error
-            # with a bare AssertionError. Hand it a placeholder so that set_up_storage_reader raises
-            # the error of the global .metadata instead.
+            # DCP retries with rank-local metadata and, when that fails too, replaces our error with
+            # a bare AssertionError. Hand it a placeholder so that set_up_storage_reader raises the
+            # error of the global .metadata instead.
             placeholder = Metadata(state_dict_metadata={})
             setattr(placeholder, _MISSING_ATTR, True)
             return placeholder
@@ -244,6 +243,7 @@ class UCVolumeReader(FileSystemReader):
                 (cache / name).unlink(missing_ok=True)
         finally:
             pool.shutdown(cancel_pending=True)
+            volume.close()  # its transfer threads end here; the next use makes new ones
             remove_staging_dir(cache)
         return len(per_file), nbytes
 
@@ -316,6 +316,7 @@ class UCVolumeReader(FileSystemReader):
                 outstanding -= 1
         finally:
             pool.shutdown(cancel_pending=True)
+            volume.close()  # its transfer threads end here; the next use makes new ones
         return len({r.name for r in requests}), nbytes
 
     def _deserialise_range(

@@ -129,7 +129,9 @@ class UCVolumeWriter(FileSystemWriter):
         sync_files: fsync data files and ``.metadata`` on the volume before publishing.
 
     Raises (inside DCP's ``CheckpointException``):
-        VolumeError: the location is a file, not writable, or its parent is missing.
+        VolumeError: the location is a file, not writable, or its parent is missing (local and
+            fsspec volumes); the bucket does not exist or cannot be reached (S3, where a location
+            is a key prefix and an object of the same name does not block it).
         LocationNotEmptyError: the location holds files that are not part of a checkpoint.
         CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
         StagingError: the staging directory cannot be created.
@@ -219,8 +221,11 @@ class UCVolumeWriter(FileSystemWriter):
         return staging_dir_for(self.staging_dir, "save", self.checkpoint_id, self._save_token, self._rank())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Fail in the planning step, before anything is written anywhere.
-        create_staging_dir(self._staging_path())
+        # Fail in the planning step, before anything is written anywhere: probe that staging can be
+        # created (write_data creates it again), so a failed plan leaves no directory behind.
+        staging = self._staging_path()
+        create_staging_dir(staging)
+        remove_staging_dir(staging)
         if self.is_coordinator or not self.use_collectives:
             self._check_location()
         if not self.use_collectives:
@@ -302,6 +307,7 @@ class UCVolumeWriter(FileSystemWriter):
             raise
         finally:
             pool.shutdown(cancel_pending=True)
+            volume.close()  # its transfer threads end here; the next use makes new ones
             remove_staging_dir(staging)
 
         out: list[WriteResult] = []

@@ -176,6 +176,8 @@ class LocalVolume(Volume):
             return None
         except IsADirectoryError as exc:
             raise CorruptCheckpointError(f"{self._path(name)} is a directory, not a file") from exc
+        except NotADirectoryError as exc:
+            raise VolumeError(f"checkpoint location {self.root} is a file, not a directory") from exc
         except OSError as exc:
             raise TransferError(f"reading {self._path(name)} failed: {exc}") from exc
 

@@ -349,6 +349,8 @@ class S3Volume(Volume):
         try:
             return self._get(name, None)
         except Exception as exc:  # noqa: BLE001
+            if _error_info(exc)[1] == "NoSuchBucket":
+                raise VolumeError(f"cannot read {self.url}: bucket {self.bucket!r} does not exist") from exc
             if _is_missing(exc):
                 return None
             raise TransferError(f"reading {self.describe(name)} failed: {exc}") from exc
@@ -433,5 +435,6 @@ def _error_info(exc: BaseException) -> tuple[int | None, str]:
 
 
 def _is_missing(exc: BaseException) -> bool:
+    """Whether the object does not exist (a missing bucket is another matter: not a 404 of a key)."""
     status, code = _error_info(exc)
-    return status == 404 or code in ("NoSuchKey", "404", "NotFound")
+    return code != "NoSuchBucket" and (status == 404 or code in ("NoSuchKey", "404", "NotFound"))
