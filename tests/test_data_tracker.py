@@ -1,19 +1,16 @@
 """The data-pipeline tracker: exactly once per epoch across resumes that change ranks and workers.
 
-No torch here: the tracker is pure Python, and importing the ``uc_checkpoint`` package runs its
-``__init__`` (which imports torch, minutes on a slow machine). Unless the package is already imported,
-the module is loaded as a submodule of a light alias package pointing at the same directory.
+No torch here: the tracker is pure Python and the package imports torch only when a name that needs
+it is first used.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import random
 import subprocess
 import sys
-import types
 from collections import Counter
 from pathlib import Path
 
@@ -21,21 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-_PKG_DIR = Path(__file__).resolve().parents[1] / "uc_checkpoint"
-
-
-def _load_tracker_module() -> types.ModuleType:
-    if "uc_checkpoint" in sys.modules:
-        return importlib.import_module("uc_checkpoint.data_tracker")
-    alias = "_uc_checkpoint_light"
-    if alias not in sys.modules:
-        pkg = types.ModuleType(alias)
-        pkg.__path__ = [str(_PKG_DIR)]  # a package whose __init__ never runs
-        sys.modules[alias] = pkg
-    return importlib.import_module(f"{alias}.data_tracker")
-
-
-dt = _load_tracker_module()
+import uc_checkpoint.data_tracker as dt
 DataTracker = dt.DataTracker
 DatasetMismatchError = dt.DatasetMismatchError
 Interval = dt.Interval
@@ -561,11 +544,51 @@ def test_seed_comes_from_the_checkpoint(caplog):
     assert [iv.shard for iv in r.consumer_slices(0)] == epoch_shard_order(8, 5, 1)
 
 
-def test_module_imports_without_torch():
+def test_package_and_tracker_import_without_torch():
+    """The tracker (and the package's errors) must not pull torch in: a data-pipeline process or a
+    tool that only inspects states should not pay for it."""
     code = (
-        "import importlib, sys, types\n"
-        f"pkg = types.ModuleType('_light'); pkg.__path__ = [{str(_PKG_DIR)!r}]; sys.modules['_light'] = pkg\n"
-        "importlib.import_module('_light.data_tracker')\n"
+        "import sys\n"
+        "import uc_checkpoint, uc_checkpoint.data_tracker, uc_checkpoint.errors\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+        "from uc_checkpoint import DatasetMismatchError, UCCheckpointError\n"
+        "assert issubclass(DatasetMismatchError, UCCheckpointError)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root)
+
+
+def test_resume_summary_names_skipped_shards_and_seeks():
+    shards = make_shards([10, 10, 10, 10])
+    trackers = make_trackers(shards, world=2, nw=1)
+    # Stream order of epoch 0; each rank's slice is 20 samples = two whole shards.
+    order = [iv.shard for t in trackers for iv in t.consumer_slices(0)]
+    trackers[0].record(0, 13)  # rank 0: its first shard done, 3 into its second
+    trackers[1].record(0, 4)
+    state = save(trackers)
+    r = DataTracker(shards, world_size=1)
+    r.load_global_state(state)
+    s = r.resume_summary()
+    assert s["skipped_names"] == [shards[order[0]].name] and s["skipped_shards"] == 1
+    assert s["samples_consumed_in_epoch"] == 17 and s["samples_remaining"] == 23
+    assert sorted(s["partial_shards"]) == sorted([[shards[order[1]].name, 3, 10], [shards[order[2]].name, 4, 10]])
+    assert s["seeks"] == [[0, 0, shards[order[1]].name, 3]]  # one consumer now: it starts 3 into shard 2
+
+
+def test_worker_copy_follows_new_epochs_but_not_loads():
+    import copy
+
+    shards = make_shards([5, 7, 3])
+    main = DataTracker(shards, num_workers=2)
+    worker = copy.deepcopy(main)  # what a persistent DataLoader worker holds
+    main.record(1, 2)
+    assert worker.follow(main.epoch, main.assignment_id, [0, 2])
+    assert worker.consumer_slices(1) == main.consumer_slices(1)
+    main.start_epoch(1)
+    assert worker.follow(main.epoch, main.assignment_id, [0, 0])
+    assert worker.consumer_slices(0) == main.consumer_slices(0) and worker.epoch == 1
+    other = DataTracker(shards, num_workers=1)
+    other.record(0, 4)
+    main.load_global_state(other.global_state([other.local_state()]))
+    assert main.work_from_checkpoint
+    assert not worker.follow(main.epoch, main.assignment_id, [0, 0])

@@ -26,7 +26,6 @@ from uc_checkpoint.demo.data import (
     samples_in_shard,
     split_sizes,
     stdlib_sources,
-    step_sample_ids,
 )
 
 SMALL = 1 << 20  # 1 MiB of real stdlib text keeps the tests quick
@@ -293,18 +292,6 @@ def test_sample_windows_match_corpus(built: ShardSet, corpus: bytes, seq_len: in
         offset += info.size
 
 
-def test_global_locate_matches_per_shard_counts(built: ShardSet) -> None:
-    seq_len = 128
-    counts = built.samples_per_shard(seq_len)
-    assert built.num_samples(seq_len) == sum(counts)
-    assert built.locate(0, seq_len) == (0, 0)
-    assert built.locate(counts[0], seq_len) == (1, 0)
-    assert built.locate(sum(counts) - 1, seq_len) == (len(counts) - 1, counts[-1] - 1)
-    with pytest.raises(IndexError):
-        built.locate(sum(counts), seq_len)
-    with pytest.raises(IndexError):
-        built.locate(-1, seq_len)
-
 
 def test_read_sample_bounds(built: ShardSet) -> None:
     path = built.path(0)
@@ -362,40 +349,6 @@ def test_shard_reader_empty_file(tmp_path: Path) -> None:
     assert len(reader) == 0
     with pytest.raises(IndexError):
         reader[0]
-
-
-def test_step_sample_ids_disjoint_and_stateless() -> None:
-    num_samples, world, batch = 50, 2, 4
-    seen: list[int] = []
-    for step in range(6):  # 6 * 8 = 48 samples, all inside epoch 0
-        per_rank = [step_sample_ids(step, r, world, batch, num_samples, seed=3) for r in range(2)]
-        assert not set(per_rank[0]) & set(per_rank[1])
-        seen += per_rank[0] + per_rank[1]
-        # Asking again (as a resumed run would) gives the same answer.
-        assert step_sample_ids(step, 1, world, batch, num_samples, seed=3) == per_rank[1]
-    assert len(set(seen)) == 48 and all(0 <= i < num_samples for i in seen)
-    # Step 6 crosses into epoch 1 and still returns valid ids.
-    crossing = step_sample_ids(6, 0, world, batch, num_samples, seed=3)
-    assert len(crossing) == batch and all(0 <= i < num_samples for i in crossing)
-    assert step_sample_ids(0, 0, world, batch, num_samples, seed=4) != step_sample_ids(
-        0, 0, world, batch, num_samples, seed=3
-    )
-
-
-def test_step_sample_ids_does_not_touch_global_rng() -> None:
-    torch.manual_seed(123)
-    before = torch.get_rng_state()
-    step_sample_ids(2, 0, 2, 4, 100)
-    assert torch.equal(torch.get_rng_state(), before)
-
-
-def test_step_sample_ids_errors() -> None:
-    with pytest.raises(ValueError):
-        step_sample_ids(0, 2, 2, 4, 100)
-    with pytest.raises(ValueError):
-        step_sample_ids(0, 0, 2, 4, 7)
-    with pytest.raises(ValueError):
-        step_sample_ids(-1, 0, 2, 4, 100)
 
 
 def test_shard_info_is_frozen() -> None:

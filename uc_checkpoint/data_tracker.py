@@ -114,6 +114,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import DatasetMismatchError
+
 logger = logging.getLogger(__name__)
 
 #: Version of the dict :meth:`DataTracker.global_state` returns.
@@ -123,11 +125,6 @@ STATE_FORMAT = 1
 _FINGERPRINT_TAG = b"uc_checkpoint.data_tracker.fingerprint.v1\n"
 _ORDER_TAG = "uc_checkpoint.data_tracker.order.v1"
 _ASSIGNMENT_TAG = b"uc_checkpoint.data_tracker.assignment.v1\n"
-
-
-class DatasetMismatchError(ValueError):
-    """A saved data state was written for a different dataset (shard names, sizes or order) than the
-    one the tracker was built with. The message names what differs."""
 
 
 def _check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
@@ -389,6 +386,19 @@ class DataTracker:
         """Samples in one epoch (all shards)."""
         return self._total_samples
 
+    @property
+    def assignment_id(self) -> str:
+        """Short id (16 hex digits) of the current work split: the dataset, epoch, remaining work and
+        number of consumers. It changes at every :meth:`start_epoch` and :meth:`load_global_state`
+        that changes the work."""
+        return self._assignment
+
+    @property
+    def work_from_checkpoint(self) -> bool:
+        """True while the current work came from :meth:`load_global_state` rather than from
+        :meth:`start_epoch` (which a data-loader worker can recompute from ``(seed, epoch)`` alone)."""
+        return self._from_load
+
     def consumer_id(self, worker: int) -> int:
         """Global number of this rank's consumer ``worker``: ``rank * workers_per_rank + worker``."""
         _check_int(worker, "worker", minimum=0)
@@ -483,6 +493,11 @@ class DataTracker:
         rest = self.consumer_slices(worker)
         return (rest[0].shard, rest[0].start) if rest else None
 
+    def samples_consumed(self, worker: int) -> int:
+        """Samples of its current slice this rank's consumer ``worker`` has consumed."""
+        self.consumer_id(worker)
+        return self._consumed[worker]
+
     def samples_left(self, worker: int | None = None) -> int:
         """Samples consumer ``worker`` (default: all of this rank's consumers) has not consumed yet."""
         workers = range(self._workers_per_rank) if worker is None else [worker]
@@ -492,6 +507,62 @@ class DataTracker:
         """True when every consumer of this rank has consumed its whole slice (other ranks may still
         have a few samples; see "Uneven ends" in the module docs)."""
         return self.samples_left() == 0
+
+    def follow(self, epoch: int, assignment_id: str, consumed: Sequence[int]) -> bool:
+        """Bring a copy of the tracker that lives in a data-loader worker to the main process's state.
+
+        ``epoch``, ``assignment_id`` and ``consumed`` (one count per worker) come from the main
+        process's tracker. A copy can follow a new epoch on its own (the work is a function of
+        ``(seed, epoch)``); it cannot follow a :meth:`load_global_state` made after it was copied.
+        Returns False in that case (the worker must be restarted with a fresh copy), True otherwise.
+        """
+        if assignment_id != self._assignment:
+            self._set_work(epoch, self._whole_epoch(epoch))
+            self._from_load = False
+            self._restored = False
+            if assignment_id != self._assignment:
+                return False
+        if len(consumed) != self._workers_per_rank:
+            raise ValueError(f"follow() got {len(consumed)} consumed counts for {self._workers_per_rank} workers")
+        for w, k in enumerate(consumed):
+            self._consumed[w] = _check_int(int(k), f"worker {w} consumed", minimum=0)
+        return True
+
+    def resume_summary(self, max_names: int = 8) -> dict[str, Any]:
+        """What a run resumed from this tracker's current work skips and where it seeks: for logs.
+
+        Returns ``{"epoch", "samples_consumed_in_epoch", "samples_remaining", "skipped_shards" (count of
+        shards with no work left in the epoch), "skipped_names" (at most ``max_names`` of them),
+        "partial_shards" ([name, samples already consumed, shard size] of shards with work left that
+        was partly consumed), "seeks" ([rank, worker, shard name, offset] of every consumer whose next
+        sample is not at the start of a shard)}``.
+        """
+        left_per_shard = [0] * len(self._shards)
+        for iv in self._base:
+            left_per_shard[iv.shard] += iv.size
+        skipped = [
+            s.name for i, s in enumerate(self._shards) if s.num_samples and left_per_shard[i] == 0
+        ]
+        partial = [
+            [s.name, s.num_samples - left_per_shard[i], s.num_samples]
+            for i, s in enumerate(self._shards)
+            if 0 < left_per_shard[i] < s.num_samples
+        ]
+        seeks = []
+        for c, piece in enumerate(self._slices):
+            if piece and piece[0].start > 0:
+                rank, worker = divmod(c, self._workers_per_rank)
+                seeks.append([rank, worker, self._shards[piece[0].shard].name, piece[0].start])
+        remaining = sum(left_per_shard)
+        return {
+            "epoch": self._epoch,
+            "samples_consumed_in_epoch": self._total_samples - remaining,
+            "samples_remaining": remaining,
+            "skipped_shards": len(skipped),
+            "skipped_names": skipped[:max_names],
+            "partial_shards": partial,
+            "seeks": seeks,
+        }
 
     # ------------------------------------------------------------------ state
 

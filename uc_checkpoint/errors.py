@@ -39,3 +39,21 @@ class CheckpointNotFoundError(UCCheckpointError):
 
 class CorruptCheckpointError(UCCheckpointError):
     """A checkpoint file is missing, truncated or fails its checksum. The message names the file."""
+
+
+class DatasetMismatchError(UCCheckpointError, ValueError):
+    """A saved data-tracker state was written for a different dataset (shard names, sample counts or
+    order) than the one the tracker was built with. The message names the first shard that differs."""
+
+
+class DataLoadingError(UCCheckpointError):
+    """A shard reader broke the tracker's contract (e.g. yielded fewer samples than asked for), or a
+    data loader was set up against its tracker (worker counts differ). The message names the shard or
+    argument."""
+
+
+class UnsafeMetadataError(CorruptCheckpointError):
+    """A checkpoint's ``.metadata`` pickle names a global (a function or class) that is not part of
+    DCP's metadata format, so it was not unpickled: loading it could run arbitrary code. The message
+    names the file and the refused global. ``UCVolumeReader(..., allow_unsafe_metadata=True)`` trusts
+    such a file."""

@@ -126,23 +126,6 @@ class ShardSet:
         """Number of samples of ``seq_len + 1`` bytes in the whole set."""
         return sum(self.samples_per_shard(seq_len))
 
-    def locate(self, sample_id: int, seq_len: int) -> tuple[int, int]:
-        """Map a global sample number to ``(shard, j)``.
-
-        Global sample numbers run through shard 0's samples first, then shard 1's, and so on.
-
-        Raises:
-            IndexError: ``sample_id`` is outside ``[0, num_samples(seq_len))``.
-        """
-        if sample_id < 0:
-            raise IndexError(f"sample {sample_id} is negative")
-        remaining = sample_id
-        for shard, count in enumerate(self.samples_per_shard(seq_len)):
-            if remaining < count:
-                return shard, remaining
-            remaining -= count
-        raise IndexError(f"sample {sample_id} out of range [0, {self.num_samples(seq_len)})")
-
 
 def stdlib_root() -> Path:
     """Return the directory of this interpreter's pure-Python standard library."""
@@ -409,50 +392,6 @@ class ShardReader:
         if self._data is None:
             raise ValueError(f"ShardReader for {self.path} is closed")
         return self._data
-
-
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """A fixed pseudo-random order of ``range(num_samples)`` for one epoch.
-
-    Uses a private :class:`torch.Generator`, so the global RNG (dropout, init) is untouched.
-
-    Returns:
-        int64 tensor of shape ``(num_samples,)``.
-    """
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator)
-
-
-def step_sample_ids(
-    step: int, rank: int, world_size: int, batch_size: int, num_samples: int, seed: int = 0
-) -> list[int]:
-    """Global sample numbers for one rank's batch at one training step.
-
-    Stateless: the result depends only on the arguments, so resuming a run needs nothing but the
-    step number. Step ``s`` (0-based) consumes the positions
-    ``[s * world_size * batch_size, (s + 1) * world_size * batch_size)`` of an endless sequence of
-    per-epoch permutations, and rank ``r`` takes the ``r``-th block of ``batch_size`` of them, so
-    ranks never share a sample within a step.
-
-    Raises:
-        ValueError: Arguments out of range or ``num_samples < world_size * batch_size``.
-    """
-    if step < 0 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad step/rank/world/batch: {step}/{rank}/{world_size}/{batch_size}")
-    per_step = world_size * batch_size
-    if num_samples < per_step:
-        raise ValueError(f"{num_samples} samples cannot fill a global batch of {per_step}")
-    start = step * per_step + rank * batch_size
-    ids: list[int] = []
-    cached_epoch = -1
-    perm = torch.empty(0, dtype=torch.int64)
-    for position in range(start, start + batch_size):
-        epoch, offset = divmod(position, num_samples)
-        if epoch != cached_epoch:
-            perm = epoch_permutation(num_samples, seed, epoch)
-            cached_epoch = epoch
-        ids.append(int(perm[offset]))
-    return ids
 
 
 def _read_index(index_path: Path) -> dict[str, Any]:

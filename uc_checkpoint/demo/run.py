@@ -1,14 +1,20 @@
 """The resume-after-preemption demo (``uc-checkpoint demo``).
 
-1. Packs the standard library's ``.py`` sources into byte-token shards.
+1. Packs the standard library's ``.py`` sources into byte-token shards; the data pipeline is a
+   :class:`~uc_checkpoint.data_loading.TrackedDataLoader` (2 workers per rank by default) whose
+   tracker state is part of every checkpoint.
 2. Trains the reference: the whole run, two ranks under ``torchrun``, no checkpoints.
 3. Trains again with ``dcp.async_save`` + :class:`UCVolumeWriter` every ``--save-every`` steps, and
    SIGKILLs the whole job (torchrun and both ranks) right after a checkpoint's upload has started;
    checks that the killed checkpoint was not published; restarts; the job resumes from the newest
-   published checkpoint and trains to the end.
-4. PASS when the final parameters are bit-identical to the reference, else FAIL (exit code 1).
+   published checkpoint (printing which shards the data pipeline skips and where each worker seeks)
+   and trains to the end.
+4. Resumes the finished run on ``--resize-to`` ranks (default 1) for ``--save-every`` more steps: DCP
+   reshards the model, the tracker the remaining data.
+5. PASS when the final parameters of step 3 are bit-identical to the reference and, across all runs,
+   every sample of the epoch was trained on exactly once or is still listed as remaining (checked
+   sample by sample from each rank's log); else FAIL (exit code 1).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -25,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import list_checkpoints
+
+DEMO_SHARDS = 24
+"""Shards the demo cuts its corpus into."""
 from ..volumes import open_volume
 
 
@@ -62,6 +71,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--model", choices=("demo", "gpt2-small"), default="demo", help="demo (~22 MB state) or gpt2-small (124M params)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--async-mode", choices=("thread", "process"), default="thread")
+    p.add_argument("--data-workers", type=int, default=2, help="DataLoader workers per rank (default 2)")
+    p.add_argument("--resize-to", type=int, default=1,
+                   help="ranks of the last phase, which resumes the finished run on another world size "
+                        "(default 1; 0 skips it)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per training job")
     return p
 
@@ -75,16 +88,20 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def launch(label: str, workdir: Path, data: Path, args: argparse.Namespace, volume: str | None, final: Path) -> Job:
+def launch(
+    label: str, workdir: Path, data: Path, args: argparse.Namespace, volume: str | None, final: Path, *,
+    nproc: int | None = None, batch_size: int | None = None, steps: int | None = None,
+) -> Job:
     events = workdir / f"events-{label}.jsonl"
     log = open(workdir / f"log-{label}.txt", "ab")  # noqa: SIM115 - owned by the child
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc or args.nproc}",
         "-m", "uc_checkpoint.demo.train",
         "--data", str(data), "--events", str(events), "--final", str(final),
-        "--steps", str(args.steps), "--save-every", str(args.save_every), "--model", args.model,
-        "--batch-size", str(args.batch_size), "--async-mode", args.async_mode,
-        "--staging-dir", str(workdir / "staging"),
+        "--steps", str(steps or args.steps), "--save-every", str(args.save_every), "--model", args.model,
+        "--batch-size", str(batch_size or args.batch_size), "--async-mode", args.async_mode,
+        "--staging-dir", str(workdir / "staging"), "--data-workers", str(args.data_workers),
+        "--samples-log", str(workdir / f"samples-{label}"), "--final-data", str(workdir / f"data-state-{label}.json"),
     ]
     if volume is not None:
         cmd += ["--volume", volume]
@@ -132,9 +149,12 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
             if kind == "start":
                 say(f"  [{job.label}] {ev['world_size']} ranks, {ev['params']:,} parameters, starting at step {ev['step']}")
             elif kind == "resume":
-                d = ev["data"]
-                say(f"  [{job.label}] resumed from {ev['location']} at step {ev['step']} (epoch {d['epoch']}, "
-                    f"sample {d['offset']}) in {ev['load_s']:.2f} s")
+                say(f"  [{job.label}] resumed from {ev['location']} at step {ev['step']} in {ev['load_s']:.2f} s "
+                    f"(saved by {ev['saved_world_size']} ranks, now {ev['world_size']})")
+                for line in describe_data_resume(ev["data"]):
+                    say(f"  [{job.label}]   {line}")
+            elif kind == "epoch":
+                say(f"  [{job.label}] data: all ranks start epoch {ev['epoch']} at step {ev['step']}")
             elif kind == "step" and (ev["step"] % 5 == 0 or ev["step"] == 1):
                 say(f"  [{job.label}] step {ev['step']:4d}  loss {ev['loss']:.4f}")
             elif kind == "save_start":
@@ -153,6 +173,75 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
             kill_job(job)
             return "failed"
         time.sleep(0.2)
+
+
+def describe_data_resume(d: dict[str, Any]) -> list[str]:
+    """The tracker's resume summary as printable lines: what is skipped, where each worker seeks."""
+    names = ", ".join(d["skipped_names"]) + (" ..." if d["skipped_shards"] > len(d["skipped_names"]) else "")
+    lines = [f"data: epoch {d['epoch']}, {d['samples_consumed_in_epoch']} samples consumed, "
+             f"{d['samples_remaining']} remaining; {d['skipped_shards']} shards skipped outright"
+             + (f" ({names})" if names else "")]
+    seeks = [f"rank {r} worker {w} -> {name} sample {o}" for r, w, name, o in d["seeks"]]
+    for i in range(0, len(seeks), 2):
+        lines.append(("seek: " if i == 0 else "      ") + "; ".join(seeks[i : i + 2]))
+    return lines
+
+
+def read_samples(workdir: Path, label: str) -> dict[int, list[tuple[int, int]]]:
+    """Samples trained on per step (all ranks, rank order) from a job's per-rank logs."""
+    per_step: dict[int, list[tuple[int, int]]] = {}
+    for path in sorted(workdir.glob(f"samples-{label}-rank*.jsonl"), key=lambda p: int(p.stem.rsplit("rank", 1)[1])):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                per_step.setdefault(rec["step"], []).extend((a, b) for a, b in rec["samples"])
+    return per_step
+
+
+def check_exactly_once(
+    workdir: Path, chain: list[Job], reference: Job, shards: Any, seq_len: int
+) -> tuple[list[str], list[str]]:
+    """Check the data stream of the interrupted-and-resumed chain of jobs against one epoch.
+
+    Every job counts up to the step its successor resumed from (what came after was lost with the
+    kill and trained again). Together with the remaining work in the last job's final data state,
+    every sample of the epoch must appear exactly once. Steps the 2-rank runs share with the
+    reference run must have read the same samples. Returns (report lines, problems).
+    """
+    from collections import Counter
+
+    consumed: list[tuple[int, int]] = []
+    problems: list[str] = []
+    ref = read_samples(workdir, reference.label)
+    for i, job in enumerate(chain):
+        upto = None
+        if i + 1 < len(chain):
+            upto = next((e["step"] for e in chain[i + 1].events if e["event"] == "resume"), None)
+        for step, samples in sorted(read_samples(workdir, job.label).items()):
+            if upto is not None and step > upto:
+                continue
+            consumed += samples
+            if step in ref and len(samples) == len(ref[step]) and samples != ref[step]:
+                problems.append(f"{job.label} step {step} read other samples than the reference run")
+    state = json.loads((workdir / f"data-state-{chain[-1].label}.json").read_text(encoding="utf-8"))
+    remaining = [(sh, j) for sh, a, b in state["remaining"] for j in range(a, b)]
+    counts = Counter(consumed)
+    repeated = [p for p, n in counts.items() if n > 1]
+    overlap = set(counts) & set(remaining)
+    total = sum(shards.samples_per_shard(seq_len))
+    if state["epoch"] != 0:
+        problems.append(f"the runs crossed into epoch {state['epoch']}: the demo checks one epoch only")
+    if repeated:
+        problems.append(f"{len(repeated)} samples trained on twice, e.g. (shard, sample) {repeated[:3]}")
+    if overlap:
+        problems.append(f"{len(overlap)} samples trained on are still listed as remaining")
+    if len(counts) + len(remaining) != total:
+        problems.append(f"{total - len(counts) - len(remaining)} samples of the epoch were lost")
+    sizes = [next((e["world_size"] for e in j.events if e["event"] == "start"), 0) for j in chain]
+    hops = " -> ".join(f"{n} rank{'' if n == 1 else 's'}" for n in sizes)
+    lines = [f"data: {len(chain)} runs ({hops}) trained on {len(consumed)} samples of epoch 0, "
+             f"{len(counts)} distinct; {len(remaining)} remain in the last checkpoint; epoch size {total}"]
+    return lines, problems
 
 
 def compare(ref_path: Path, got_path: Path) -> list[str]:
@@ -175,6 +264,13 @@ def run_demo(args: argparse.Namespace) -> int:
     kill_at = args.kill_at if args.kill_at is not None else 3 * args.save_every
     if kill_at % args.save_every or not args.save_every <= kill_at < args.steps:
         raise SystemExit(f"uc-checkpoint demo: --kill-at {kill_at} must be a checkpoint step before --steps")
+    workers = max(1, args.data_workers)
+    if args.data_workers < 0 or args.save_every % workers:
+        # DataLoader workers hand out batches in turn; a resume is read-for-read identical to the
+        # uninterrupted run only when every worker has delivered the same number of batches.
+        raise SystemExit("uc-checkpoint demo: --save-every must be a multiple of --data-workers")
+    if args.resize_to < 0 or (args.resize_to and (args.batch_size * args.nproc) % args.resize_to):
+        raise SystemExit("uc-checkpoint demo: --resize-to must divide --nproc x --batch-size (the global batch is kept)")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="uc-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     volume = args.volume or str(workdir / "volume")
@@ -184,20 +280,29 @@ def run_demo(args: argparse.Namespace) -> int:
     deadline_each = args.timeout
     started = time.time()
 
-    say(f"uc_checkpoint demo: {args.nproc} ranks, {args.steps} steps, checkpoint every {args.save_every}, "
-        f"preemption at step {kill_at}")
-    say(f"  workdir {workdir}\n  volume  {volume}")
-    shards = build_shards(workdir / "data")
-    say(f"  data: {len(shards.shards)} shards, {shards.total_bytes:,} bytes of Python standard library source")
+    from .model import GPTConfig
 
-    say("1/3 reference run, uninterrupted, no checkpoints")
+    seq_len = (GPTConfig.demo() if args.model == "demo" else GPTConfig.gpt2_small()).seq_len
+    resize_steps = args.save_every if args.resize_to else 0
+    # An epoch a little longer than the whole demo reads, cut into many small shards, so that resumes
+    # skip whole shards and seek inside others (a real corpus is much bigger; the mechanics are the same).
+    planned = args.nproc * args.batch_size * (args.steps + resize_steps)
+    shards = build_shards(workdir / "data", num_shards=DEMO_SHARDS, max_bytes=(planned * 5 // 4 + 4 * DEMO_SHARDS) * (seq_len + 1))
+    resize = f", then resumed on {args.resize_to} rank(s) for {resize_steps} steps" if args.resize_to else ""
+    say(f"uc_checkpoint demo: {args.nproc} ranks x {args.data_workers} DataLoader workers, {args.steps} steps, "
+        f"checkpoint every {args.save_every}, preemption at step {kill_at}{resize}")
+    say(f"  workdir {workdir}\n  volume  {volume}")
+    say(f"  data: {len(shards.shards)} shards, {shards.num_samples(seq_len):,} samples ({shards.total_bytes:,} bytes of "
+        "Python standard library source) per epoch")
+
+    say("1/4 reference run, uninterrupted, no checkpoints")
     ref_final = workdir / "final-reference.pt"
-    job = launch("reference", workdir, shards.root, args, None, ref_final)
+    reference = job = launch("reference", workdir, shards.root, args, None, ref_final)
     if follow(job, time.time() + deadline_each) != "done":
         say(f"FAIL: the reference run failed; see {workdir}/log-reference.txt")
         return 1
 
-    say("2/3 run with checkpoints, preempted while a checkpoint uploads")
+    say("2/4 run with checkpoints, preempted while a checkpoint uploads")
     final = workdir / "final-resumed.pt"
     attempts, outcome, killed_in_flight = 0, "", False
     resumes: list[dict[str, Any]] = []
@@ -221,7 +326,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 killed_in_flight = True
                 unpublished.add((job.label, kill_at))
                 say(f"  checkpoint step {kill_at} has no .metadata: not published, as it must be")
-            say("3/3 restart: resume from the newest published checkpoint")
+            say("3/4 restart: resume from the newest published checkpoint")
             continue
         break
     if outcome != "done":
@@ -229,15 +334,35 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
 
     problems = compare(ref_final, final)
+    if problems:
+        problems = [f"final parameters differ from the uninterrupted run: {problems[:5]}"]
+    elif not killed_in_flight or not resumes:
+        problems = ["no preemption during an upload was exercised"]
+    else:
+        say("  final parameters are bit-identical to the uninterrupted run")
+
+    if args.resize_to and not problems:
+        say(f"4/4 resume the finished run on {args.resize_to} rank{'' if args.resize_to == 1 else 's'} (same global "
+            f"batch) for {resize_steps} more steps")
+        job = launch("resized", workdir, shards.root, args, volume, workdir / "final-resized.pt",
+                     nproc=args.resize_to, batch_size=args.batch_size * args.nproc // args.resize_to,
+                     steps=args.steps + resize_steps)
+        jobs.append(job)
+        if follow(job, time.time() + deadline_each) != "done":
+            say(f"FAIL: the resized run failed; see {workdir}/log-{job.label}.txt")
+            return 1
+        resumes += [e for e in job.events if e["event"] == "resume"]
+    if not problems:
+        lines, problems = check_exactly_once(workdir, jobs, reference, shards, seq_len)
+        for line in lines:
+            say(f"  {line}")
     print_table(jobs, vol, resumes, unpublished)
     elapsed = time.time() - started
-    if not killed_in_flight or not resumes:
-        say(f"FAIL: no preemption during an upload was exercised ({elapsed:.0f} s)")
-        return 1
     if problems:
-        say(f"FAIL: final parameters differ from the uninterrupted run: {problems[:5]} ({elapsed:.0f} s)")
+        say(f"FAIL: {'; '.join(problems)} ({elapsed:.0f} s, workdir {workdir})")
         return 1
-    say(f"PASS: final parameters are bit-identical to the uninterrupted run ({elapsed:.0f} s, workdir {workdir})")
+    say(f"PASS: final parameters bit-identical to the uninterrupted run; every sample trained on exactly once "
+        f"across the preemption{' and the resize' if args.resize_to else ''} ({elapsed:.0f} s, workdir {workdir})")
     if not args.workdir:
         shutil.rmtree(workdir / "staging", ignore_errors=True)
     return 0
@@ -266,8 +391,9 @@ def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpubl
             say(f"{job.label:6} {step:5d} {size / 1e6:8.2f} {ev['blocked_s']:10.3f} {publish:>15} {rate:>7}  {state}")
     for ev in resumes:
         d = ev["data"]
-        say(f"resume: step {ev['step']} from {ev['location']} (epoch {d['epoch']}, sample offset {d['offset']}, "
-            f"{d['samples']} samples consumed), load {ev['load_s']:.2f} s")
+        say(f"resume: step {ev['step']} from {ev['location']} ({ev['saved_world_size']} -> {ev['world_size']} ranks; "
+            f"epoch {d['epoch']}, {d['samples_consumed_in_epoch']} samples consumed, {d['skipped_shards']} shards "
+            f"skipped, {len(d['seeks'])} seeks), load {ev['load_s']:.2f} s")
     say("")
 
 

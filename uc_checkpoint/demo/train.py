@@ -16,6 +16,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,9 @@ from ..checkpoints import checkpoint_name, latest_checkpoint
 from ..reader import UCVolumeReader
 from ..volumes import open_volume
 from ..writer import UCVolumeWriter
-from .data import ShardReader, ShardSet, step_sample_ids
+from ..data_loading import TrackedDataLoader, TrackedShardDataset
+from ..data_tracker import DataTracker, ShardSpec
+from .data import ShardReader, ShardSet
 from .model import GPT, GPTConfig, shard_model
 
 
@@ -52,27 +55,38 @@ class Events:
             self._file.flush()
 
 
-class Batches:
-    """Each rank's batch at each step, derived from (seed, step, rank): the data position is the
-    step number, so restoring the step restores the data stream exactly."""
+class DemoShardReader:
+    """``read_shard`` for the tracker: sample ``j`` of a byte shard is its ``j``-th window, read
+    straight from a memory map (a seek, never a scan). Yields ``(window, shard index, j)`` so that
+    the training loop can log which samples it consumed. Memory maps are opened lazily, in the
+    data-loader worker that uses them."""
 
-    def __init__(self, shards: ShardSet, seq_len: int, rank: int, world: int, batch: int, seed: int) -> None:
-        self.shards, self.seq_len, self.rank, self.world, self.batch, self.seed = shards, seq_len, rank, world, batch, seed
-        self.readers = [ShardReader(shards.path(i), seq_len) for i in range(len(shards.shards))]
-        self.num_samples = shards.num_samples(seq_len)
+    def __init__(self, shards: ShardSet, seq_len: int) -> None:
+        self.shards, self.seq_len = shards, seq_len
+        self.index = {info.name: i for i, info in enumerate(shards.shards)}
+        self._readers: dict[int, ShardReader] = {}
 
-    def position(self, step: int) -> dict[str, int]:
-        """Samples consumed by all ranks before ``step``, as (epoch, offset into the epoch)."""
-        consumed = step * self.world * self.batch
-        return {"epoch": consumed // self.num_samples, "offset": consumed % self.num_samples, "samples": consumed}
+    def __call__(self, shard: ShardSpec, start: int, end: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+        i = self.index[shard.name]
+        reader = self._readers.get(i)
+        if reader is None:
+            reader = self._readers[i] = ShardReader(self.shards.path(i), self.seq_len)
+        for j in range(start, end):
+            yield reader[j], i, j
 
-    def get(self, step: int) -> torch.Tensor:
-        ids = step_sample_ids(step, self.rank, self.world, self.batch, self.num_samples, self.seed)
-        rows = []
-        for sample_id in ids:
-            shard, j = self.shards.locate(sample_id, self.seq_len)
-            rows.append(self.readers[shard][j])
-        return torch.stack(rows)
+
+class SampleLog:
+    """Each rank's record of the samples it trained on: one JSON line per step,
+    ``{"step": s, "samples": [[shard, j], ...]}``, so the orchestrator can check exactly-once."""
+
+    def __init__(self, prefix: str | None, rank: int) -> None:
+        self._file = open(f"{prefix}-rank{rank}.jsonl", "a", encoding="utf-8") if prefix else None  # noqa: SIM115
+
+    def write(self, step: int, shard: torch.Tensor, j: torch.Tensor) -> None:
+        if self._file is not None:
+            pairs = [[int(a), int(b)] for a, b in zip(shard.tolist(), j.tolist())]
+            self._file.write(json.dumps({"step": step, "samples": pairs}) + "\n")
+            self._file.flush()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--async-mode", choices=("thread", "process"), default="thread")
     p.add_argument("--staging-dir", default=None)
+    p.add_argument("--data-workers", type=int, default=2, help="DataLoader workers per rank")
+    p.add_argument("--samples-log", help="prefix of the per-rank logs of consumed samples")
+    p.add_argument("--final-data", help="where rank 0 writes the final data-tracker state (JSON)")
     return p.parse_args(argv)
 
 
@@ -111,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     model = shard_model(GPT(config), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     shards = ShardSet.load(args.data, verify_hashes=False)
-    batches = Batches(shards, config.seq_len, rank, world, args.batch_size, args.seed)
+    specs = [ShardSpec(info.name, n) for info, n in zip(shards.shards, shards.samples_per_shard(config.seq_len))]
+    tracker = DataTracker(specs, seed=args.seed, rank=rank, world_size=world, num_workers=args.data_workers)
+    loader = TrackedDataLoader(
+        TrackedShardDataset(tracker, DemoShardReader(shards, config.seq_len)),
+        batch_size=args.batch_size, num_workers=args.data_workers, persistent_workers=args.data_workers > 0,
+    )
+    samples_log = SampleLog(args.samples_log, rank)
     torch.manual_seed(args.seed + 1 + rank)  # dropout differs per rank, and is checkpointed
 
     start_step = 0
@@ -122,29 +145,44 @@ def main(argv: list[str] | None = None) -> int:
         dist.broadcast_object_list(box, src=0)
         found = box[0]
         if found is not None:
-            start_step = resume(model, optimizer, batches, volume.child(found[1]).url, rank, world, events, args)
+            start_step = resume(model, optimizer, loader, volume.child(found[1]).url, rank, world, events, args)
     events.emit("start", step=start_step, world_size=world, params=sum(p.numel() for p in model.parameters()))
 
     pending: Future | None = None
     step = start_step
+    batches = iter(loader)
     while step < args.steps:
-        x = batches.get(step)
+        batch = next(batches, None)
+        # Lock-step epochs: every rank needs a full batch. When any rank runs out, all ranks start the
+        # next epoch together (the tracker drops, and warns about, the few samples left this epoch).
+        full = torch.tensor([int(batch is not None and len(batch[0]) == args.batch_size)])
+        dist.all_reduce(full, op=dist.ReduceOp.MIN)
+        if not int(full):
+            tracker.start_epoch(tracker.epoch + 1)
+            events.emit("epoch", epoch=tracker.epoch, step=step)
+            batches = iter(loader)
+            continue
+        x, shard_ids, offsets = batch
         _, loss = model(x[:, :-1], x[:, 1:])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         step += 1
+        samples_log.write(step, shard_ids, offsets)
         loss_value = loss.detach().clone()
         dist.all_reduce(loss_value)
         events.emit("step", step=step, loss=float(loss_value) / world)
         if volume is not None and step % args.save_every == 0:
             if pending is not None:
                 pending.result()  # one save in flight at a time
-            pending = save(model, optimizer, batches, step, volume.child(checkpoint_name(step)).url, rank, ckpt_group, events, args)
+            pending = save(model, optimizer, loader, step, volume.child(checkpoint_name(step)).url, rank, ckpt_group, events, args)
     if pending is not None:
         pending.result()
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    data_state = loader.state_dict()  # collective: every rank
+    if rank == 0 and args.final_data:
+        Path(args.final_data).write_text(data_state["global_state"])
     if rank == 0:
         tmp = Path(args.final + ".tmp")
         torch.save(full, tmp)
@@ -155,26 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_state(model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, step: int, rank: int) -> dict[str, Any]:
+def train_state(model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, step: int, rank: int, world: int) -> dict[str, Any]:
     """The checkpointed state: model and optimiser (DTensor shards), this rank's RNG under a key of
-    its own, and the step with its data position."""
+    its own, the step, and the data tracker (a Stateful: the data position of every rank and
+    DataLoader worker, gathered when DCP calls its state_dict)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {
         "model": model_sd,
         "optim": optim_sd,
         "rng": {f"rank{rank}": torch.get_rng_state()},
-        "train": {"step": step, "data": batches.position(step), "world_size": batches.world},
+        "train": {"step": step, "world_size": world},
+        "data": loader,
     }
 
 
 def save(
-    model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, step: int, location: str, rank: int,
+    model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, step: int, location: str, rank: int,
     group: dist.ProcessGroup, events: Events, args: argparse.Namespace,
 ) -> Future:
     started = time.perf_counter()
     mode = AsyncCheckpointerType.PROCESS if args.async_mode == "process" else AsyncCheckpointerType.THREAD
     fut = dcp.async_save(
-        train_state(model, optimizer, batches, step, rank),
+        train_state(model, optimizer, loader, step, rank, dist.get_world_size()),
         storage_writer=UCVolumeWriter(location, staging_dir=args.staging_dir),
         process_group=group,
         async_checkpointer_type=mode,
@@ -192,21 +232,26 @@ def save(
 
 
 def resume(
-    model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, location: str, rank: int, world: int,
+    model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, location: str, rank: int, world: int,
     events: Events, args: argparse.Namespace,
 ) -> int:
+    """Load the checkpoint at ``location`` into this run, whatever world size saved it: DCP reshards
+    the model and optimiser, the tracker reshards the remaining data."""
     started = time.perf_counter()
-    state = train_state(model, optimizer, batches, 0, rank)  # the template: same keys and shapes
-    state["train"] = {"step": -1, "data": {"epoch": -1, "offset": -1, "samples": -1}, "world_size": -1}
+    state = train_state(model, optimizer, loader, 0, rank, world)  # the template: same keys and shapes
+    state["train"] = {"step": -1, "world_size": -1}
+    saved_keys = UCVolumeReader(location, staging_dir=args.staging_dir).read_metadata().state_dict_metadata
+    if f"rng.rank{rank}" not in saved_keys:
+        # A rank the saving run did not have (the world grew): it keeps its fresh dropout stream.
+        del state["rng"]
     dcp.load(state, storage_reader=UCVolumeReader(location, staging_dir=args.staging_dir))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    torch.set_rng_state(state["rng"][f"rank{rank}"])
+    if "rng" in state:
+        torch.set_rng_state(state["rng"][f"rank{rank}"])
     step = int(state["train"]["step"])
-    if state["train"]["world_size"] != world:
-        raise RuntimeError(f"{location} was saved with world size {state['train']['world_size']}, running {world}")
-    if state["train"]["data"] != batches.position(step):
-        raise RuntimeError(f"{location}: data position {state['train']['data']} does not match step {step}")
-    events.emit("resume", step=step, location=location, data=state["train"]["data"], load_s=time.perf_counter() - started)
+    events.emit("resume", step=step, location=location, load_s=time.perf_counter() - started,
+                saved_world_size=state["train"]["world_size"], world_size=world,
+                data=loader.tracker.resume_summary())
     return step
 
 

@@ -1,0 +1,88 @@
+"""Per-sample cost of data tracking.
+
+* ``record``: the bookkeeping call the loader makes per batch, called here once per sample (the
+  worst case, ``batch_size=1``).
+* loader epoch: the same in-memory samples through a plain ``DataLoader`` over a plain
+  ``IterableDataset`` and through :class:`TrackedDataLoader` (main process, and 2 persistent
+  workers), batch 32, loaders built and workers started before timing.
+  The difference per sample is what tracking adds (tagging in the worker, the tagged collate, the
+  record in the main process).
+
+Run: ``./scripts/test.sh benchmarks/test_data_tracker_overhead.py --benchmark-only``
+(``UC_BENCH_SAMPLES`` sets the samples per round, default 20000).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from uc_checkpoint.data_loading import TrackedDataLoader, TrackedShardDataset
+from uc_checkpoint.data_tracker import DataTracker, ShardSpec
+
+SAMPLES = int(os.environ.get("UC_BENCH_SAMPLES", "20000"))
+SHARDS = [ShardSpec(f"shard-{i:04d}", SAMPLES // 16) for i in range(16)]
+BATCH = 32
+
+
+def read_shard(shard: ShardSpec, start: int, end: int):
+    for offset in range(start, end):
+        yield offset
+
+
+class PlainShards(IterableDataset):
+    """The same samples without tracking: each worker takes every n-th shard."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for shard in SHARDS[worker::workers]:
+            yield from read_shard(shard, 0, shard.num_samples)
+
+
+def drain(loader) -> int:
+    n = 0
+    for batch in loader:
+        n += len(batch)
+    return n
+
+
+def test_record_per_sample(benchmark) -> None:
+    def run() -> int:
+        tracker = DataTracker(SHARDS)
+        for _ in range(tracker.total_samples):
+            tracker.record(0, 1)
+        return tracker.total_samples
+
+    n = benchmark.pedantic(run, rounds=5, iterations=1)
+    benchmark.extra_info["samples"] = n
+    benchmark.extra_info["us_per_sample"] = benchmark.stats.stats.median / n * 1e6
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("tracked", [False, True], ids=["plain", "tracked"])
+def test_loader_epoch(benchmark, workers: int, tracked: bool) -> None:
+    """One epoch per round through a loader built once (persistent workers with 2 workers), so
+    that process start-up and construction are not part of the figure."""
+    persistent = workers > 0
+    if tracked:
+        tracker = DataTracker(SHARDS, num_workers=workers)
+        loader = TrackedDataLoader(TrackedShardDataset(tracker, read_shard), batch_size=BATCH, num_workers=workers,
+                                   persistent_workers=persistent)
+    else:
+        tracker = None
+        loader = DataLoader(PlainShards(), batch_size=BATCH, num_workers=workers, persistent_workers=persistent)
+    epochs = iter(range(1, 1000))
+    drain(loader)  # warm-up: starts the workers
+
+    def run() -> int:
+        if tracker is not None:
+            tracker.start_epoch(next(epochs))
+        return drain(loader)
+
+    n = benchmark.pedantic(run, rounds=5, iterations=1)
+    assert n == sum(s.num_samples for s in SHARDS)
+    benchmark.extra_info["samples"] = n
+    benchmark.extra_info["us_per_sample"] = benchmark.stats.stats.median / n * 1e6
