@@ -111,6 +111,10 @@ class Volume(ABC):
     def delete(self, name: str) -> None:
         """Delete ``name``; a missing file is not an error."""
 
+    def remove_if_empty(self) -> None:
+        """Remove the location itself when it is an empty directory (stores with real directories);
+        object stores have nothing to remove once the files are gone."""
+
     def abort_incomplete_uploads(self) -> int:
         """Abort uploads left unfinished at this location (S3 multipart uploads); return how many.
         Stores without such state have nothing to do."""

@@ -194,6 +194,13 @@ class FsspecVolume(Volume):
         if landed != len(data):
             raise TransferError(f"publishing {where}: {landed} bytes on the volume, expected {len(data)}")
 
+    def remove_if_empty(self) -> None:
+        try:
+            if not self.fs.ls(self.root, detail=False):
+                self.fs.rmdir(self.root)
+        except Exception:  # noqa: BLE001 - stores without directories, or not empty: nothing to do
+            pass
+
     def delete(self, name: str) -> None:
         try:
             self.fs.rm_file(self._path(name))

@@ -223,6 +223,12 @@ class LocalVolume(Volume):
         if self.size(name) != len(data):
             raise TransferError(f"publishing {dest}: size on the volume differs from {len(data)} bytes")
 
+    def remove_if_empty(self) -> None:
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # not empty (another writer is active there) or already gone: leave it
+
     def delete(self, name: str) -> None:
         try:
             self._path(name).unlink()

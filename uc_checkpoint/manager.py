@@ -1,0 +1,359 @@
+"""Step-numbered checkpoints under one root: save, find the newest good one, load, keep a few.
+
+:class:`CheckpointManager` is what a resume-after-preemption training script talks to::
+
+    manager = CheckpointManager("s3://bucket/run1", keep_last=3)
+    step = manager.load(state) if manager.latest() is not None else 0   # every rank
+    for step in range(step + 1, steps + 1):
+        train_step()
+        if step % save_every == 0:
+            manager.save(step, state)        # async: returns once the state is staged in memory
+    manager.wait()
+
+Layout under the root: ``step_<8 digits>/`` per checkpoint (a :class:`UCVolumeWriter` location:
+data files and, once complete, ``.metadata``) and a ``latest`` pointer file for tools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from .checkpoints import checkpoint_name, list_checkpoints
+from .errors import CheckpointNotFoundError, TransferError, UCCheckpointError, VolumeError
+from .layout import METADATA_NAME, manifest_of, manifest_records, referenced_files
+from .reader import UCVolumeReader
+from .volumes import Volume, open_volume
+from .writer import UCVolumeWriter
+
+logger = logging.getLogger(__name__)
+
+#: Name of the pointer file under the root: JSON ``{"step", "name", "location", "time"}``.
+POINTER_NAME = "latest"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One step location under the root. ``published``: its ``.metadata`` exists (the save
+    finished); whether the checkpoint is also intact is what :meth:`CheckpointManager.latest` checks."""
+
+    step: int
+    name: str
+    published: bool
+
+
+class CheckpointManager:
+    """Saves, finds, loads and prunes the step-numbered checkpoints under ``root``.
+
+    Args:
+        root: a path, ``file://``, ``s3://bucket/prefix`` or other fsspec URL, or a :class:`Volume`.
+        keep_last: published checkpoints to keep (newest first); ``None`` keeps all. Older ones are
+            deleted only after a newer save is published, never the location a save is writing.
+        keep_every: also keep every checkpoint whose step is a multiple of this (e.g. for evals).
+        async_save: :meth:`save` uses ``dcp.async_save`` (training resumes once the state is copied
+            to CPU memory) rather than ``dcp.save``.
+        async_mode: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``).
+        process_group: group for DCP's collectives and for agreeing on :meth:`latest` (default: the
+            default group). A group of its own keeps checkpoint collectives, which run in a
+            background thread, from interleaving with training collectives.
+        staging_dir: local staging root for writer and reader (default: ``$UC_CHECKPOINT_STAGING_DIR``
+            or the system temp dir).
+        list_attempts: attempts at listing the root before an error is raised (backoff doubling from
+            ``list_backoff_s`` seconds, at most 10 s). A listing error is never taken for "no
+            checkpoint": that would silently restart training from scratch.
+        list_backoff_s: first retry delay in seconds.
+        write_pointer: write the ``latest`` pointer file after each published save.
+        writer_options, reader_options: extra keyword arguments for :class:`UCVolumeWriter` and
+            :class:`UCVolumeReader`.
+
+    Rank 0 of the group lists, validates and prunes; the others receive its answers (an error on
+    rank 0 is raised on every rank, so no rank waits forever). Not thread-safe: call it from the
+    training loop.
+    """
+
+    def __init__(
+        self,
+        root: str | Volume,
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        async_mode: str = "thread",
+        process_group: dist.ProcessGroup | None = None,
+        staging_dir: str | None = None,
+        list_attempts: int = 5,
+        list_backoff_s: float = 1.0,
+        write_pointer: bool = True,
+        writer_options: dict[str, Any] | None = None,
+        reader_options: dict[str, Any] | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
+        if async_mode not in ("thread", "process"):
+            raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if list_attempts < 1:
+            raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
+        self.root = root if isinstance(root, Volume) else open_volume(root)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.async_mode = async_mode
+        self.process_group = process_group
+        self.staging_dir = staging_dir
+        self.list_attempts = list_attempts
+        self.list_backoff_s = list_backoff_s
+        self.write_pointer = write_pointer
+        self.writer_options = dict(writer_options or {})
+        self.reader_options = dict(reader_options or {})
+        self._inflight: tuple[int, Future] | None = None
+
+    # ------------------------------------------------------------------ ranks
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+
+    def _is_leader(self) -> bool:
+        return not self._distributed() or dist.get_rank(self.process_group) == 0
+
+    def _on_leader(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 of the group and hand its result (or its failure) to every rank."""
+        if not self._distributed():
+            return fn()
+        box: list[Any] = [None]
+        error: BaseException | None = None
+        if self._is_leader():
+            try:
+                box[0] = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+                error = exc
+                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+        status, value = box[0]
+        if status == "ok":
+            return value
+        if error is not None:
+            raise error
+        raise VolumeError(f"rank 0 failed to {what} under {self.root.url}: {value}")
+
+    # ------------------------------------------------------------------ listing
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        delay = self.list_backoff_s
+        for attempt in range(1, self.list_attempts + 1):
+            try:
+                return fn()
+            except TransferError as exc:
+                # Throttling and network errors (already retried by the store's client). A missing
+                # bucket or a root that is a file is a VolumeError and not worth retrying.
+                if attempt == self.list_attempts:
+                    raise VolumeError(
+                        f"cannot {what} under {self.root.url} after {attempt} attempts: {exc}"
+                    ) from exc
+                logger.warning("checkpoint manager: %s under %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                               what, self.root.url, attempt, self.list_attempts, delay, exc)
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
+        raise AssertionError("unreachable")
+
+    def _list_local(self) -> list[CheckpointInfo]:
+        return [CheckpointInfo(s, n, p) for s, n, p in self._retry("list checkpoints", lambda: list_checkpoints(self.root))]
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every step location under the root, oldest first (published or not).
+
+        Raises:
+            VolumeError: the root cannot be listed (after ``list_attempts`` attempts) or is unusable.
+        """
+        return self._on_leader("list checkpoints", self._list_local)
+
+    def _problem(self, info: CheckpointInfo) -> str | None:
+        """Why the published checkpoint ``info`` cannot be loaded, or None when it looks intact:
+        its ``.metadata`` loads and every data file it references is there with its recorded size."""
+        location = self.root.child(info.name)
+        try:
+            metadata = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options).load_metadata()
+            files = self._retry(f"list {info.name}", location.list_files)
+        except UCCheckpointError as exc:
+            return str(exc)
+        exact = {name: rec.size for name, rec in manifest_records(manifest_of(metadata)).items()}
+        for name, least in referenced_files(metadata).items():
+            if name not in files:
+                return f"{location.describe(name)} is missing"
+            want = exact.get(name)
+            if (want is not None and files[name] != want) or files[name] < least:
+                return f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
+        return None
+
+    def _latest_local(self) -> int | None:
+        for info in reversed(self._list_local()):
+            if not info.published:
+                continue
+            problem = self._problem(info)
+            if problem is None:
+                return info.step
+            logger.warning("checkpoint manager: skipping checkpoint %s: %s", self.root.describe(info.name), problem)
+        return None
+
+    def latest(self) -> int | None:
+        """Step of the newest checkpoint that is published and intact (``.metadata`` loads, every
+        data file it references exists with its recorded size), or None when there is none. Broken
+        newer ones are skipped with a warning. Rank 0 decides; every rank gets the same answer.
+
+        Raises:
+            VolumeError: the root cannot be listed after ``list_attempts`` attempts, or is unusable
+                (never reported as "no checkpoint").
+        """
+        return self._on_leader("find the latest checkpoint", self._latest_local)
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> Future:
+        """Save ``state_dict`` as the checkpoint of ``step`` (every rank calls it).
+
+        Waits for the previous save first (one save in flight) and raises its error, if any. With
+        ``async_save`` the returned future completes when the checkpoint is published (``.metadata``
+        written); otherwise the save is done when this returns. After a publish, rank 0 writes the
+        ``latest`` pointer and prunes old checkpoints (in the background for async saves; failures
+        there are logged, never raised into training).
+
+        Raises:
+            ValueError: ``step`` is negative.
+            CheckpointException (DCP's) with our errors inside: the previous or this (sync) save failed.
+        """
+        name = checkpoint_name(step)
+        self.wait()
+        writer = UCVolumeWriter(self.root.child(name), staging_dir=self.staging_dir, **self.writer_options)
+        if self.async_save:
+            mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
+            fut: Future = dcp.async_save(
+                state_dict, storage_writer=writer, process_group=self.process_group, async_checkpointer_type=mode
+            )
+        else:
+            dcp.save(state_dict, storage_writer=writer, process_group=self.process_group)
+            fut = Future()
+            fut.set_result(None)
+        # The caller's future completes after the housekeeping, so wait() covers it too.
+        done: Future = Future()
+        leader = self._is_leader()
+
+        def finished(f: Future) -> None:
+            if leader:
+                self._after_publish(step, f)
+            exc = f.exception()
+            if exc is None:
+                done.set_result(f.result())
+            else:
+                done.set_exception(exc)
+
+        self._inflight = (step, done)
+        fut.add_done_callback(finished)
+        return done
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight[1].result()
+
+    def _after_publish(self, step: int, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # nothing published: keep everything
+        try:
+            if self.write_pointer:
+                self.write_latest_pointer(step)
+            self.prune(protect={step})
+        except Exception:  # noqa: BLE001 - housekeeping must not take training down
+            logger.exception("checkpoint manager: housekeeping after publishing step %d failed", step)
+
+    def write_latest_pointer(self, step: int) -> None:
+        """Write the ``latest`` pointer file (one whole-file write, no symlink: FUSE mounts often lack
+        them): ``{"step": int, "name": "step_...", "location": URL, "time": unix seconds}``. Tools
+        may read it; :meth:`latest` does not trust it and lists instead."""
+        name = checkpoint_name(step)
+        body = {"step": step, "name": name, "location": self.root.describe(name), "time": time.time()}
+        self.root.publish_bytes(POINTER_NAME, (json.dumps(body) + "\n").encode(), overwrite=True)
+
+    def read_latest_pointer(self) -> dict[str, Any] | None:
+        """The ``latest`` pointer's content, or None when there is none or it is unreadable."""
+        raw = self.root.read_bytes(POINTER_NAME)
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None
+
+    # ------------------------------------------------------------------ retention
+
+    def prune(self, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Delete published checkpoints beyond the retention policy; returns the deleted steps.
+
+        Kept: the ``keep_last`` newest published checkpoints, steps that are multiples of
+        ``keep_every``, ``protect``, the save in flight, and everything newer than the oldest kept
+        checkpoint (unpublished locations are left to garbage collection). A checkpoint is unpublished
+        first (``.metadata`` deleted), then its data files: a crash midway leaves an unpublished
+        location, never a published one with missing files. Call on one rank only (the manager
+        calls it on rank 0 after each publish).
+        """
+        if self.keep_last is None:
+            return []
+        infos = self._list_local()
+        published = [i for i in infos if i.published]
+        keep = {i.step for i in published[-self.keep_last :]} | set(protect)
+        if self._inflight is not None:
+            keep.add(self._inflight[0])
+        if self.keep_every:
+            keep |= {i.step for i in published if i.step % self.keep_every == 0}
+        oldest_kept = min((i.step for i in published[-self.keep_last :]), default=None)
+        deleted = []
+        for info in published:
+            if info.step in keep or oldest_kept is None or info.step >= oldest_kept:
+                continue
+            self._delete_checkpoint(info)
+            deleted.append(info.step)
+        if deleted:
+            logger.info("checkpoint manager: deleted checkpoints %s under %s (keep_last=%s, keep_every=%s)",
+                        deleted, self.root.url, self.keep_last, self.keep_every)
+        return deleted
+
+    def _delete_checkpoint(self, info: CheckpointInfo) -> None:
+        location = self.root.child(info.name)
+        location.delete(METADATA_NAME)  # unpublish first
+        for name, size in location.list_files().items():
+            if size >= 0:
+                location.delete(name)
+        location.remove_if_empty()
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+        """Load the checkpoint of ``step`` (default: :meth:`latest`) into ``state_dict`` in place, on
+        every rank (DCP reshards to this run's world size). Returns the step loaded.
+
+        Raises:
+            CheckpointNotFoundError: no intact published checkpoint (``step=None``), or none at ``step``.
+            VolumeError: the root cannot be listed.
+            CheckpointException (DCP's) with our errors inside: the load failed.
+        """
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointNotFoundError(f"no published checkpoint under {self.root.url}")
+        location = self.root.child(checkpoint_name(step))
+        reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
+        dcp.load(state_dict, storage_reader=reader, process_group=self.process_group)
+        return step
+
+
+__all__ = ["POINTER_NAME", "CheckpointInfo", "CheckpointManager"]
