@@ -53,6 +53,12 @@ class Volume(ABC):
         """Names and sizes (bytes) of the files directly at this location; ``{}`` if it does not
         exist. Sub-locations are listed as names ending in ``/`` with size ``-1``."""
 
+    def list_mtimes(self) -> dict[str, float]:
+        """Last-modified time (Unix seconds) of each file directly at this location; ``{}`` if it
+        does not exist. Garbage collection uses it to spare files a save may still be writing. A
+        store that does not report times returns none, and nothing of it is collected by age."""
+        return {}
+
     @abstractmethod
     def size(self, name: str) -> int | None:
         """Size of ``name`` in bytes, or ``None`` if it does not exist."""
@@ -115,9 +121,10 @@ class Volume(ABC):
         """Remove the location itself when it is an empty directory (stores with real directories);
         object stores have nothing to remove once the files are gone."""
 
-    def abort_incomplete_uploads(self) -> int:
-        """Abort uploads left unfinished at this location (S3 multipart uploads); return how many.
-        Stores without such state have nothing to do."""
+    def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
+        """Abort uploads left unfinished at this location (S3 multipart uploads) that were started
+        more than ``older_than_s`` seconds ago (all when None); return how many. Stores without such
+        state have nothing to do."""
         return 0
 
     def close(self) -> None:

@@ -117,6 +117,26 @@ class FsspecVolume(Volume):
                 out[name] = int(entry.get("size") or 0)
         return out
 
+    def list_mtimes(self) -> dict[str, float]:
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"listing {self.url} failed: {exc}") from exc
+        out: dict[str, float] = {}
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if not name or entry.get("type") == "directory":
+                continue
+            # Backends name it differently (local: mtime, s3fs: LastModified, memory: created).
+            stamp = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
+            if hasattr(stamp, "timestamp"):
+                stamp = stamp.timestamp()
+            if isinstance(stamp, (int, float)):
+                out[name] = float(stamp)
+        return out
+
     def size(self, name: str) -> int | None:
         try:
             info = self.fs.info(self._path(name))

@@ -114,6 +114,20 @@ class LocalVolume(Volume):
                 continue  # deleted while listing
         return out
 
+    def list_mtimes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        for entry in entries:
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    out[entry.name] = entry.stat().st_mtime
+            except FileNotFoundError:
+                continue
+        return out
+
     def size(self, name: str) -> int | None:
         try:
             return self._path(name).stat().st_size

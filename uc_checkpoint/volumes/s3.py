@@ -261,6 +261,25 @@ class S3Volume(Volume):
             raise TransferError(f"listing {self.url} failed: {exc}") from exc
         return out
 
+    def list_mtimes(self) -> dict[str, float]:
+        prefix = self._dir_prefix()
+        out: dict[str, float] = {}
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    name = obj["Key"][len(prefix) :]
+                    if name:
+                        out[name] = obj["LastModified"].timestamp()
+        except Exception as exc:  # noqa: BLE001
+            status, code = _error_info(exc)
+            if code == "NoSuchBucket":
+                raise VolumeError(f"cannot list {self.url}: bucket {self.bucket!r} does not exist") from exc
+            raise TransferError(f"listing {self.url} failed: {exc}") from exc
+        return out
+
     def size(self, name: str) -> int | None:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
@@ -406,15 +425,18 @@ class S3Volume(Volume):
                 return
             raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc
 
-    def abort_incomplete_uploads(self) -> int:
+    def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
         prefix = self._dir_prefix()
         aborted = 0
+        cutoff = None if older_than_s is None else time.time() - older_than_s
         try:
             pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
                     if "/" in upload["Key"][len(prefix) :]:
                         continue  # belongs to a location below this one
+                    if cutoff is not None and upload["Initiated"].timestamp() > cutoff:
+                        continue  # recent: a save may still be sending parts
                     self.client.abort_multipart_upload(
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
