@@ -160,3 +160,40 @@ def test_two_ranks_agree_and_errors_reach_every_rank(tmp_path: Path, staging: Pa
     assert proc.returncode == 0, out[-6000:]
     assert "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, out[-6000:]
     assert steps_on_disk(tmp_path / "run") == ["step_00000002", "step_00000003"]
+
+
+@pytest.mark.slow
+def test_sigterm_takes_a_final_checkpoint(tmp_path: Path, staging: Path) -> None:
+    """A real SIGTERM to a real training process: it finishes the step, saves it, exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import REPO, SCRIPTS
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "preempted_loop.py"), str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line.strip())
+            if line.startswith("STEP 7"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines += rest.splitlines()
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    final = [ln for ln in lines if ln.startswith("FINAL")]
+    assert len(final) == 1 and final[0].endswith(" True"), lines[-20:]
+    step = int(final[0].split()[1])
+    assert step >= 7
+    manager = CheckpointManager(str(tmp_path / "run"))
+    assert manager.latest() == step
+    target = {"w": torch.zeros(64, 64), "step": -1}
+    assert manager.load(target) == step
+    assert torch.equal(target["w"], torch.full((64, 64), float(step))) and target["step"] == step

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -119,6 +121,8 @@ class CheckpointManager:
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
         self._inflight: tuple[int, Future] | None = None
+        self._preempt_signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ ranks
 
@@ -334,6 +338,83 @@ class CheckpointManager:
             if size >= 0:
                 location.delete(name)
         location.remove_if_empty()
+
+    # ------------------------------------------------------------------ preemption
+
+    def enable_preemption_save(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        """Opt in: on ``signals`` (SIGTERM by default, what schedulers and spot/preemptible VMs send
+        before a kill) only a flag is set; the training loop polls :meth:`preemption_requested` at a
+        step boundary and calls :meth:`save_final`. Nothing is saved from inside the signal handler
+        (collectives and file I/O are not safe there). Call from the main thread. The previous
+        handlers are restored by :meth:`disable_preemption_save`.
+        """
+        for sig in signals:
+            self._previous_handlers.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, self._on_signal)
+
+    def disable_preemption_save(self) -> None:
+        """Restore the signal handlers :meth:`enable_preemption_save` replaced."""
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._preempt_signal = signum
+
+    def preemption_requested(self) -> bool:
+        """Whether any rank received a preemption signal. With several ranks this is a collective
+        (an all-reduce over the group): every rank must call it at the same step, and all get the
+        same answer, so that they stop and save together."""
+        flag = self._preempt_signal is not None
+        if not self._distributed():
+            return flag
+        import torch
+
+        box = torch.tensor([int(flag)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(box.item())
+
+    def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
+        """The last checkpoint before a preemption: wait for the save in flight, then save ``step``
+        synchronously (every rank calls it). Returns True when it was published.
+
+        ``budget_s`` (seconds) bounds the wait for the save in flight: if that save has not finished
+        by then, no new save is started (it could not finish either) and False is returned; the
+        save in flight may still land. A final save that itself runs past the budget is logged;
+        DCP cannot abandon a save midway, and stopping one would only leave an unpublished location.
+
+        Raises:
+            CheckpointException (DCP's): the final save failed.
+        """
+        deadline = time.monotonic() + budget_s
+        inflight, self._inflight = self._inflight, None
+        landed = False
+        if inflight is not None:
+            try:
+                inflight[1].result(timeout=max(0.0, deadline - time.monotonic()))
+                landed = True
+            except FutureTimeout:
+                self._inflight = inflight
+                logger.error("checkpoint manager: the save of step %d did not finish within %.0f s; no final save",
+                             inflight[0], budget_s)
+                return False
+            except Exception as exc:  # noqa: BLE001 - the final save below supersedes it
+                logger.warning("checkpoint manager: the save of step %d failed (%s); taking the final save", inflight[0], exc)
+        if landed and inflight is not None and inflight[0] == step:
+            return True  # this step is already saved
+        started = time.monotonic()
+        was_async, self.async_save = self.async_save, False
+        try:
+            self.save(step, state_dict)
+        finally:
+            self.async_save = was_async
+        self.wait()
+        took = time.monotonic() - started
+        if time.monotonic() > deadline:
+            logger.warning("checkpoint manager: final save of step %d took %.1f s, past the %.0f s budget", step, took, budget_s)
+        else:
+            logger.info("checkpoint manager: final save of step %d published in %.1f s", step, took)
+        return True
 
     # ------------------------------------------------------------------ load
 
