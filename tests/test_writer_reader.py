@@ -114,6 +114,19 @@ def test_overwrite_replaces_atomically_and_removes_old_files(tmp_path: Path, sta
     assert_state_dict_equal(out, make_state_dict(6))
 
 
+def test_overwrite_deletes_only_the_replaced_checkpoints_files(tmp_path: Path, staging: Path) -> None:
+    """Files no published .metadata references may belong to another job's save in progress here:
+    a publish must not delete them (that save could then publish over missing files)."""
+    dest = tmp_path / "ckpt"
+    dcp.save(make_state_dict(5), storage_writer=UCVolumeWriter(dest))
+    first = set(data_files(dest))
+    other = dest / "__0_0123456789ab_0.distcp"  # another save's file, not referenced by any .metadata
+    other.write_bytes(b"in progress")
+    dcp.save(make_state_dict(6), storage_writer=UCVolumeWriter(dest))
+    assert other.read_bytes() == b"in progress"
+    assert not first & set(data_files(dest))  # the replaced checkpoint's files are gone
+
+
 def test_overwrite_false_keeps_existing_checkpoint(tmp_path: Path, staging: Path) -> None:
     dest = tmp_path / "ckpt"
     dcp.save(make_state_dict(7), storage_writer=UCVolumeWriter(dest))

@@ -26,6 +26,7 @@ from .errors import (
     StagingError,
     TransferError,
     UCCheckpointError,
+    UnsafeMetadataError,
     VolumeError,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "UCCheckpointError",
     "UCVolumeReader",
     "UCVolumeWriter",
+    "UnsafeMetadataError",
     "Volume",
     "VolumeError",
     "open_volume",

@@ -8,7 +8,6 @@ import dataclasses
 import io
 import logging
 import os
-import pickle
 import queue
 import threading
 import time
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from . import layout
+from . import layout, metadata_io
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError, VolumeError
 from .integrity import FileRecord, verify_blocks
 from .ranges import (
@@ -66,12 +65,21 @@ class UCVolumeReader(FileSystemReader):
             fsspec volumes, whole files on local and FUSE paths.
         max_inflight_bytes: ranged reads hold at most this many fetched bytes in memory before
             they are deserialised (one range larger than this is fetched alone).
+        allow_unsafe_metadata: unpickle ``.metadata`` with plain :func:`pickle.loads`. By default
+            it may name only the classes DCP's metadata is made of
+            (:data:`uc_checkpoint.metadata_io.ALLOWED_GLOBALS` and torch dtypes). **Risk:** a
+            ``.metadata`` pickle can name any function, so with ``True`` whoever could write to the
+            checkpoint location can run code in this process. Set it only for checkpoints you trust
+            whose metadata holds extra objects (e.g. a custom planner's ``planner_data``).
 
     Raises (inside DCP's ``CheckpointException``):
         VolumeError: the location is a file, or its bucket does not exist.
         CheckpointNotFoundError: no ``.metadata`` at the location.
-        CorruptCheckpointError: ``.metadata`` cannot be read, or a data file is missing, truncated
-            or fails its checksum. The message names the file.
+        CorruptCheckpointError: ``.metadata`` cannot be read or names a data file outside the
+            checkpoint, or a data file is missing, truncated or fails its checksum. The message
+            names the file.
+        UnsafeMetadataError: (a ``CorruptCheckpointError``) ``.metadata`` names a global that is not
+            part of DCP's metadata format; the message names it.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class UCVolumeReader(FileSystemReader):
         max_inflight_bytes: int = 256 << 20,
         range_gap_bytes: int = DEFAULT_GAP_BYTES,
         range_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        allow_unsafe_metadata: bool = False,
     ) -> None:
         if download_workers < 1:
             raise ValueError(f"download_workers must be >= 1, got {download_workers}")
@@ -103,6 +112,7 @@ class UCVolumeReader(FileSystemReader):
         self.max_inflight_bytes = max_inflight_bytes
         self.range_gap_bytes = range_gap_bytes
         self.range_chunk_bytes = range_chunk_bytes
+        self.allow_unsafe_metadata = allow_unsafe_metadata
         self._manifest: Mapping[str, Any] | None = None
         self._records: dict[str, FileRecord] = {}
         self._metadata_error: UCCheckpointError | None = None
@@ -146,11 +156,15 @@ class UCVolumeReader(FileSystemReader):
 
     # ---- metadata -----------------------------------------------------------------------------
     def load_metadata(self, rank: int | None = None) -> Metadata:
-        """Fetch and decode ``.metadata`` (or ``__<rank>.metadata``).
+        """Fetch, decode and check ``.metadata`` (or ``__<rank>.metadata``), see
+        :func:`uc_checkpoint.metadata_io.load_metadata`.
 
         Raises:
             CheckpointNotFoundError: the file does not exist.
-            CorruptCheckpointError: it exists but is not a DCP ``Metadata`` pickle.
+            UnsafeMetadataError: it names a global outside the allow-list (and
+                ``allow_unsafe_metadata`` is False).
+            CorruptCheckpointError: it exists but is not a DCP ``Metadata`` pickle, or it names a
+                data file outside the checkpoint location.
         """
         volume = self.volume
         name = layout.metadata_name(rank)
@@ -160,16 +174,7 @@ class UCVolumeReader(FileSystemReader):
                 f"no checkpoint at {volume.url}: {volume.describe(name)} does not exist "
                 "(never saved, or the save did not finish)"
             )
-        try:
-            metadata = pickle.loads(data)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{volume.describe(name)} is corrupt or truncated: {exc}") from exc
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(
-                f"{volume.describe(name)} does not hold DCP Metadata (found {type(metadata).__name__})"
-            )
-        _check_file_names(metadata, volume)
-        return metadata
+        return metadata_io.load_metadata(data, volume.describe(name), allow_unsafe=self.allow_unsafe_metadata)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -398,14 +403,4 @@ class _MemoryReader(io.RawIOBase):
         memoryview(b).cast("B")[:n] = chunk
         self._pos += n
         return n
-
-
-def _check_file_names(metadata: Metadata, volume: Volume) -> None:
-    """Reject metadata whose data file names would leave the checkpoint location."""
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-            raise CorruptCheckpointError(
-                f"{volume.describe(layout.METADATA_NAME)} names data file {name!r} outside the checkpoint"
-            )
 

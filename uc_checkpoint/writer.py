@@ -49,11 +49,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import layout
+from . import layout, metadata_io
 from .errors import (
     CheckpointExistsError,
     LocationNotEmptyError,
     TransferError,
+    UCCheckpointError,
     VolumeError,
 )
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
@@ -368,20 +369,34 @@ class UCVolumeWriter(FileSystemWriter):
         setattr(metadata, layout.MANIFEST_ATTR, layout.build_manifest(self.save_id, records.values()))
         rank = None if self.use_collectives else self._rank()
         meta_name = layout.metadata_name(rank)
+        superseded = self._files_of_published(volume, meta_name) if meta_name in listing else set()
         volume.publish_bytes(meta_name, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), overwrite=self.overwrite)
         logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
-        self._remove_stale_files(volume, listing, set(records), rank)
+        self._remove_superseded_files(volume, superseded - set(records))
 
-    def _remove_stale_files(self, volume: Volume, listing: dict[str, int], keep: set[str], rank: int | None) -> None:
-        """Delete data files of earlier saves at this location: the new ``.metadata`` is published
-        and no longer references them. Best effort: a failure is logged, never raised."""
-        mine = layout.data_file_prefix(rank, "") if rank is not None else "__"
-        for name in listing:
-            stale_data = name.endswith(layout.DATA_SUFFIX) and name.startswith(mine) and name not in keep
-            stale_tmp = name == layout.METADATA_NAME + ".tmp"
-            if stale_data or stale_tmp:
-                try:
-                    volume.delete(name)
-                except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
-                    logger.warning("could not delete stale file %s: %s", volume.describe(name), exc)
+    def _files_of_published(self, volume: Volume, meta_name: str) -> set[str]:
+        """Data files the ``.metadata`` about to be replaced references (empty when it cannot be
+        read: then nothing is deleted and garbage collection deals with the files later)."""
+        raw = volume.read_bytes(meta_name)
+        if raw is None:
+            return set()
+        try:
+            old = metadata_io.load_metadata(raw, volume.describe(meta_name))
+        except UCCheckpointError as exc:
+            logger.warning("not deleting the data files of the replaced checkpoint: %s", exc)
+            return set()
+        return set(layout.referenced_files(old)) | set(layout.manifest_records(layout.manifest_of(old)))
+
+    def _remove_superseded_files(self, volume: Volume, names: set[str]) -> None:
+        """Delete the data files of the checkpoint this save replaced, and only those.
+
+        Files no published ``.metadata`` references are not touched here: they may belong to another
+        job's save in progress at this location (deleting them could leave that save publishing over
+        missing files), or to a save that crashed; ``uc-checkpoint gc`` removes them once they are
+        older than its grace period. Best effort: a failure is logged, never raised."""
+        for name in sorted(names):
+            try:
+                volume.delete(name)
+            except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
+                logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
 

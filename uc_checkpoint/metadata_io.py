@@ -1,0 +1,219 @@
+"""Decoding a checkpoint's ``.metadata`` without trusting it.
+
+``.metadata`` is a pickle (DCP's format), and unpickling calls whatever functions the pickle names.
+A checkpoint is data, often from a shared bucket or another team, so it is decoded with an
+unpickler that resolves only the globals DCP's metadata is made of (:data:`ALLOWED_GLOBALS`, plus
+torch dtypes by name). The decoded ``Metadata`` is then checked so that every data file it (or our
+manifest, see :mod:`uc_checkpoint.layout`) names is a plain file inside the checkpoint location.
+
+The allow-list was taken from every global seen while unpickling checkpoints saved by
+``UCVolumeWriter`` and by DCP's ``FileSystemWriter`` (torch 2.13, Python 3.11; tensors of 15 dtypes
+from float8 to complex128, channels-last, requires_grad, empty and 0-d tensors, nested dicts, lists
+and plain objects; with and without the flattening planner; ``checkpoint_id`` as str and as Path).
+A few entries name the same classes where other torch or Python versions put them; each is
+commented. ``tests/test_hostile_input.py`` re-checks real checkpoints against the list.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import layout
+from .errors import CorruptCheckpointError, UnsafeMetadataError
+
+logger = logging.getLogger(__name__)
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ABSENT = object()
+
+#: ``(module, name)`` of every global a ``.metadata`` pickle may name, besides torch dtypes.
+#: Each is a plain data class or a function that only looks a value up; none runs code it is given.
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        # Older torch releases (2.0 era) defined DCP's TensorProperties here; their checkpoints name these.
+        ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
+        # FileSystemWriter stores its path (a pathlib.Path) as StorageMeta.checkpoint_id. Python 3.13
+        # pickles the classes as pathlib._local.*.
+        *((module, cls) for module in ("pathlib", "pathlib._local")
+          for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+    }
+)
+
+
+def is_allowed_global(module: str, name: str) -> bool:
+    """Whether a ``.metadata`` pickle may name ``module.name``: an :data:`ALLOWED_GLOBALS` entry or
+    a torch dtype (``torch.float32`` pickles as the global ``torch float32``)."""
+    if (module, name) in ALLOWED_GLOBALS:
+        return True
+    # vars() rather than getattr: an exact attribute, never a dotted path or a lazily imported module.
+    return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that refuses every global :func:`is_allowed_global` does not accept.
+
+    Pickle's BUILD opcode can also set attributes on a global it was handed (``setattr(Metadata,
+    "__hash__", None)``), which would change that class for the rest of the process. So the
+    attributes of every global it resolves are recorded, and :meth:`undo_global_changes` puts them
+    back after the load.
+    """
+
+    def __init__(self, data: bytes, where: str) -> None:
+        # fix_imports=False: Python 2 module names must not be remapped after the check.
+        super().__init__(io.BytesIO(data), fix_imports=False)
+        self._where = where
+        self._before: dict[int, tuple[str, Any, dict[str, Any]]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not is_allowed_global(module, name):
+            raise UnsafeMetadataError(
+                f"refusing to unpickle {module}.{name} from {self._where}: it is not part of DCP's "
+                "metadata format and could run code; pass allow_unsafe_metadata=True to UCVolumeReader "
+                "only if you trust this checkpoint"
+            )
+        obj = super().find_class(module, name)
+        if hasattr(obj, "__dict__") and id(obj) not in self._before:
+            self._before[id(obj)] = (f"{module}.{name}", obj, dict(vars(obj)))
+        return obj
+
+    def undo_global_changes(self) -> None:
+        """Restore any attribute the pickle set on a resolved global.
+
+        Raises:
+            UnsafeMetadataError: something was changed (and has been put back).
+        """
+        changed = []
+        for label, obj, before in self._before.values():
+            now = dict(vars(obj))
+            for attr in now.keys() - before.keys():
+                delattr(obj, attr)
+                changed.append(f"{label}.{attr}")
+            for attr, value in before.items():
+                if now.get(attr, _ABSENT) is not value:
+                    setattr(obj, attr, value)
+                    changed.append(f"{label}.{attr}")
+        if changed:
+            raise UnsafeMetadataError(
+                f"refusing {self._where}: its pickle sets {', '.join(sorted(changed))} (restored); "
+                "DCP metadata never does that"
+            )
+
+
+def _restricted_load(data: bytes, where: str) -> Any:
+    unpickler = _RestrictedUnpickler(data, where)
+    try:
+        return unpickler.load()
+    finally:
+        # Also after a failed load: a pickle may change a class and then break off.
+        unpickler.undo_global_changes()
+
+
+def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Metadata:
+    """Decode the bytes of a ``.metadata`` file and check them with :func:`check_metadata`.
+
+    Args:
+        data: the file's content.
+        where: the file's path or URL, for messages.
+        allow_unsafe: unpickle with plain :func:`pickle.loads`, which runs any code the file names.
+
+    Raises:
+        UnsafeMetadataError: the pickle names a global outside the allow-list (nothing it names
+            has been called).
+        CorruptCheckpointError: the bytes are not a pickle (empty, truncated, garbage), do not hold
+            a DCP ``Metadata``, or fail :func:`check_metadata`. The message names ``where``.
+    """
+    try:
+        metadata = pickle.loads(data) if allow_unsafe else _restricted_load(data, where)
+    except UnsafeMetadataError:
+        raise
+    except Exception as exc:  # pickle raises many types on bad input (EOFError, KeyError, ...)
+        raise CorruptCheckpointError(f"{where} is corrupt or truncated: {type(exc).__name__}: {exc}") from exc
+    if allow_unsafe:
+        logger.warning("%s was unpickled without restrictions (allow_unsafe_metadata=True)", where)
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where} does not hold DCP Metadata (found {type(metadata).__name__})")
+    check_metadata(metadata, where)
+    return metadata
+
+
+def check_metadata(metadata: Metadata, where: str) -> None:
+    """Check what a load would act on before any data file is read: every ``storage_data`` entry is
+    a ``_StorageInfo`` with a plain file name (:func:`bad_file_name`) and a non-negative offset and
+    length, and our manifest, if present, is well-formed and names only plain files.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the offending entry.
+    """
+    storage = metadata.storage_data
+    if storage is None:
+        storage = {}
+    if not isinstance(storage, Mapping):
+        raise CorruptCheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a mapping")
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{where}: storage entry for {index} is a {type(info).__name__}")
+        _check_file_name(info.relative_path, where, "data file")
+        for field in ("offset", "length"):
+            value = getattr(info, field)
+            if not isinstance(value, int) or value < 0:
+                raise CorruptCheckpointError(f"{where}: {info.relative_path!r} has {field} {value!r}")
+    manifest = layout.manifest_of(metadata)
+    if manifest is None:
+        return
+    files = manifest.get("files") or {}
+    if not isinstance(files, Mapping):
+        raise CorruptCheckpointError(f"{where}: the manifest's files are a {type(files).__name__}, not a mapping")
+    for name in files:
+        _check_file_name(name, where, "manifest entry")
+    try:
+        layout.manifest_records(manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: the file manifest is malformed: {type(exc).__name__}: {exc}") from exc
+
+
+def bad_file_name(name: object) -> str | None:
+    """Why ``name`` is not a plain file name directly inside a checkpoint location, or ``None``.
+
+    A checkpoint is flat, so a name must be a non-empty string without ``/`` (absolute paths,
+    subdirectories, URLs such as ``s3://other-bucket/x``), ``\\`` (Windows separators), ``:``
+    (drive letters and URL schemes), NUL, and must not be ``.`` or ``..``.
+    """
+    if not isinstance(name, str):
+        return f"it is a {type(name).__name__}, not a string"
+    if not name:
+        return "it is empty"
+    if name in (".", ".."):
+        return "it names a directory"
+    for char, why in (("\0", "NUL"), ("/", "'/'"), ("\\", "'\\'"), (":", "':'")):
+        if char in name:
+            return f"it contains {why}"
+    return None
+
+
+def _check_file_name(name: object, where: str, what: str) -> None:
+    reason = bad_file_name(name)
+    if reason is not None:
+        raise CorruptCheckpointError(
+            f"{where} names {what} {name!r} outside the checkpoint ({reason}; "
+            "a checkpoint's files must be plain names in its location)"
+        )
