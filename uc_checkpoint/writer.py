@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import queue
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ from . import layout, metadata_io
 from .errors import (
     CheckpointExistsError,
     LocationNotEmptyError,
+    StagingError,
     TransferError,
     UCCheckpointError,
     VolumeError,
@@ -303,8 +305,11 @@ class UCVolumeWriter(FileSystemWriter):
             finally:
                 self.fs.on_file_written = None
             records = {r.name: r for r in group.results()}
-        except BaseException:
+        except BaseException as exc:
             group.cancel()
+            problem = _staging_problem(staging, exc)
+            if problem is not None:
+                raise StagingError(f"{problem}; save to {volume.url} abandoned, nothing published") from exc
             raise
         finally:
             pool.shutdown(cancel_pending=True)
@@ -400,3 +405,20 @@ class UCVolumeWriter(FileSystemWriter):
             except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
                 logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
 
+
+def _staging_problem(staging: Path, exc: BaseException) -> str | None:
+    """A staging-disk cause behind a failed ``write_data``, in words, or None.
+
+    DCP's serialiser reports a full disk as an opaque ``RuntimeError`` ("unexpected pos ..."), and
+    a deleted staging directory as a bare ``FileNotFoundError``; the disk's state says what happened.
+    (An ENOSPC alone is not enough: it may come from the volume, which has its own error message.)
+    """
+    if not staging.is_dir():
+        return f"the staging directory {staging} disappeared during the save"
+    try:
+        usage = shutil.disk_usage(staging)
+    except OSError:
+        return None
+    if usage.free < (1 << 20):
+        return f"the staging directory {staging} is full ({usage.free} bytes free of {usage.total}): {exc!r}"
+    return None
