@@ -255,7 +255,10 @@ class CheckpointManager:
 
         def finished(f: Future) -> None:
             if leader:
-                self._after_publish(step, f)
+                self._after_publish(step, f)  # logs its own failures
+            if f.cancelled():  # never leave wait() blocked on a future nobody will complete
+                done.cancel()
+                return
             exc = f.exception()
             if exc is None:
                 done.set_result(f.result())
