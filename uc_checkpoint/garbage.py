@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .checkpoints import list_checkpoints
 from .errors import UCCheckpointError
-from .layout import METADATA_NAME, manifest_of, manifest_records, referenced_files
+from .layout import METADATA_NAME, data_file_names
 from .reader import UCVolumeReader
 from .staging import default_staging_root
 from .volumes import Volume, open_volume
@@ -64,7 +64,7 @@ def _collect_location(location: Volume, published: bool, cutoff: float, report: 
             logger.warning("gc: leaving %s alone: %s", location.url, exc)
             report.spared_locations.append(location.url)
             return
-        needed = set(referenced_files(metadata)) | set(manifest_records(manifest_of(metadata)))
+        needed = data_file_names(metadata)
         candidates = {n for n in sizes if n != METADATA_NAME and n not in needed}
     else:
         candidates = set(sizes)

@@ -101,3 +101,8 @@ def referenced_files(metadata: Metadata) -> dict[str, int]:
         name = info.relative_path
         need[name] = max(need.get(name, 0), info.offset + info.length)
     return need
+
+
+def data_file_names(metadata: Metadata) -> set[str]:
+    """Every data file a checkpoint's metadata refers to: in its storage data or its manifest."""
+    return set(referenced_files(metadata)) | set(manifest_records(manifest_of(metadata)))

@@ -390,7 +390,7 @@ class UCVolumeWriter(FileSystemWriter):
         except UCCheckpointError as exc:
             logger.warning("not deleting the data files of the replaced checkpoint: %s", exc)
             return set()
-        return set(layout.referenced_files(old)) | set(layout.manifest_records(layout.manifest_of(old)))
+        return layout.data_file_names(old)
 
     def _remove_superseded_files(self, volume: Volume, names: set[str]) -> None:
         """Delete the data files of the checkpoint this save replaced, and only those.
