@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -69,26 +68,29 @@ def test_staging_disk_full(tmp_path: Path, tiny_staging: Path, staging: Path) ->
     assert not any(tiny_staging.rglob("*.distcp"))  # staging cleaned up after the failure
 
 
+class StagingVandal:
+    """A state-dict value whose serialisation deletes everything under the staging root.
+
+    DCP pickles non-tensor values into the data files before it writes the tensors, so the staging
+    directory really disappears at a fixed point in the middle of the save (a background thread
+    deleting it raced with the save and sometimes lost)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __getstate__(self) -> dict:
+        for child in self.root.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+        return {"root": str(self.root)}
+
+
 def test_staging_dir_deleted_during_save(tmp_path: Path, staging: Path) -> None:
     dest = tmp_path / "ckpt"
     dcp.save(state(3), storage_writer=UCVolumeWriter(dest))
     meta_before = (dest / ".metadata").read_bytes()
-    stop = threading.Event()
-
-    def vandal() -> None:
-        # Keep deleting everything under the staging root while the save runs.
-        while not stop.is_set():
-            for child in staging.iterdir():
-                shutil.rmtree(child, ignore_errors=True)
-
-    thread = threading.Thread(target=vandal, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(CheckpointException) as exc:
-            dcp.save(state(4, mib=16), storage_writer=UCVolumeWriter(dest, file_size_bytes=1 << 20))
-    finally:
-        stop.set()
-        thread.join()
+    doomed = {**state(4, mib=16), "vandal": StagingVandal(staging)}
+    with pytest.raises(CheckpointException) as exc:
+        dcp.save(doomed, storage_writer=UCVolumeWriter(dest, file_size_bytes=1 << 20))
     ours = [e for e in causes(exc.value) if isinstance(e, StagingError)]
     assert ours and "disappeared during the save" in str(ours[0]), [repr(e) for e in causes(exc.value)]
     assert (dest / ".metadata").read_bytes() == meta_before  # nothing published over the old one

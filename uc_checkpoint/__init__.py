@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointExistsError,
+    ConcurrentSaveError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DatasetMismatchError,
@@ -57,6 +58,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointExistsError",
+    "ConcurrentSaveError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DatasetMismatchError",

@@ -25,6 +25,12 @@ class CheckpointExistsError(VolumeError):
     """A save with ``overwrite=False`` found a published checkpoint at its location."""
 
 
+class ConcurrentSaveError(UCCheckpointError):
+    """Another save started at the same checkpoint location while this one ran; the newer save
+    publishes and this one does not (nothing of it is published, so no checkpoint mixes the two).
+    The message names the location and the other save."""
+
+
 class StagingError(UCCheckpointError):
     """The local staging directory cannot be created or written."""
 

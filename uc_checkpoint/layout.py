@@ -12,9 +12,16 @@ block, see :mod:`uc_checkpoint.integrity`) as the plain-dict attribute ``uc_mani
 
     {"format": 2, "save_id": str, "checksum": "crc32",
      "files": {name: {"size": int, "crc32": "8 hex digits",
-                      "block_size": int, "blocks": bytes (big-endian uint32 per block)}}}
+                      "block_size": int, "blocks": bytes (big-endian uint32 per block)}},
+     "saved_by": {"host": str, "pid": int, "time": unix seconds}}   # since 0.1; optional
 
 Format 1 (written by the first release) has no ``block_size``/``blocks``; it still loads.
+
+While a save runs, its location also holds a save marker ``.uc-save-<save token>`` (``__<rank>.``
+in front for DCP's rank-local saves; a few bytes of JSON: host, pid, start time), written before any data file and deleted after the publish. Two saves
+at one location see each other's markers; the newer one (by the store's modification time) publishes,
+the older fails with :class:`~uc_checkpoint.errors.ConcurrentSaveError`. A killed save's marker is
+older than any later save, so it never blocks one; ``uc-checkpoint gc`` removes it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ _READABLE_FORMATS = (1, 2)
 
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
+_SAVE_MARKER = re.compile(r"^(?:__(\d+))?\.uc-save-([0-9a-f]{8,32})$")
 
 
 def metadata_name(rank: int | None = None) -> str:
@@ -50,7 +58,22 @@ def is_checkpoint_file(name: str) -> bool:
         or name.endswith(DATA_SUFFIX)
         or bool(_RANK_METADATA.match(name))
         or bool(_TEMP.match(name))
+        or bool(_SAVE_MARKER.match(name))
     )
+
+
+def save_marker_name(save_token: str, rank: int | None = None) -> str:
+    """Name of the marker a save keeps at its location while it runs (see the module docstring):
+    ``.uc-save-<token>``, or ``__<rank>.uc-save-<token>`` for a rank-local save (no collectives)."""
+    return f".uc-save-{save_token}" if rank is None else f"__{rank}.uc-save-{save_token}"
+
+
+def parse_save_marker(name: str) -> tuple[int | None, str] | None:
+    """``(rank or None, save token)`` of a save marker's file name, or None for any other name."""
+    m = _SAVE_MARKER.match(name)
+    if m is None:
+        return None
+    return (None if m.group(1) is None else int(m.group(1))), m.group(2)
 
 
 def data_file_prefix(rank: int, save_token: str) -> str:
@@ -58,9 +81,12 @@ def data_file_prefix(rank: int, save_token: str) -> str:
     return f"__{rank}_{save_token}_"
 
 
-def build_manifest(save_id: str, records: Iterable[FileRecord]) -> dict[str, Any]:
-    """The manifest dict for the files of one save (see the module docstring)."""
-    return {
+def build_manifest(
+    save_id: str, records: Iterable[FileRecord], saved_by: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest dict for the files of one save (see the module docstring); ``saved_by``
+    (``{"host": str, "pid": int, "time": unix seconds}``) says which process published it."""
+    manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "save_id": save_id,
         "checksum": "crc32",
@@ -69,6 +95,9 @@ def build_manifest(save_id: str, records: Iterable[FileRecord]) -> dict[str, Any
             for r in records
         },
     }
+    if saved_by is not None:
+        manifest["saved_by"] = dict(saved_by)
+    return manifest
 
 
 def manifest_of(metadata: Metadata) -> Mapping[str, Any] | None:

@@ -22,12 +22,15 @@ checkpoint at the location stays loadable (new data files carry a per-save token
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import os
 import pickle
 import queue
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -54,6 +57,7 @@ from . import layout, metadata_io
 from .errors import (
     CheckpointExistsError,
     LocationNotEmptyError,
+    ConcurrentSaveError,
     StagingError,
     TransferError,
     UCCheckpointError,
@@ -73,6 +77,8 @@ logger = logging.getLogger(__name__)
 #: Default target size of one data file (bytes). A rank's items are split into
 #: ``max(thread_count, ceil(rank bytes / file_size_bytes))`` files so uploads start early.
 DEFAULT_FILE_SIZE = 64 << 20
+# Incomplete multipart uploads younger than this (seconds) may belong to a save still running.
+_LIVE_UPLOAD_S = 3600.0
 
 
 @dataclass
@@ -175,6 +181,9 @@ class UCVolumeWriter(FileSystemWriter):
         self.is_coordinator = False
         self._save_token = uuid.uuid4().hex[:8]
         self._volume: Volume | None = None
+        # sha256 of the .metadata published at the location when this save started ("" for none),
+        # None until the location was checked: a change by finish means another save published.
+        self._published_digest: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's PROCESS mode pickles the writer: clients and pools are rebuilt on the other side.
@@ -248,15 +257,24 @@ class UCVolumeWriter(FileSystemWriter):
                 f"checkpoint location {volume.url} holds files that are not part of a checkpoint: {shown}"
             )
         meta = layout.metadata_name(None if self.use_collectives else self._rank())
+        self._published_digest = ""
         if meta in files:
             if not self.overwrite:
                 raise CheckpointExistsError(f"{volume.describe(meta)} exists and overwrite=False")
             logger.info("replacing the checkpoint published at %s", volume.url)
+            self._published_digest = _digest(volume.read_bytes(meta))
         # Uploads a killed save left behind (S3 multipart uploads) cost storage and are never
-        # completed; no rank of this save has started uploading yet.
-        aborted = volume.abort_incomplete_uploads()
+        # completed; no rank of this save has started uploading yet. While another save's marker is
+        # there, its uploads may be live: only old ones go (gc takes the rest).
+        other_saves = any(layout.parse_save_marker(name) for name in files)
+        aborted = volume.abort_incomplete_uploads(older_than_s=_LIVE_UPLOAD_S if other_saves else None)
         if aborted:
             logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
+        marker = {"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        volume.publish_bytes(self._marker_name(), json.dumps(marker).encode(), overwrite=False)
+
+    def _marker_name(self) -> str:
+        return layout.save_marker_name(self._save_token, None if self.use_collectives else self._rank())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [
@@ -368,21 +386,69 @@ class UCVolumeWriter(FileSystemWriter):
         for name in {info.relative_path for info in storage_md.values()} - records.keys():
             raise TransferError(f"not publishing {volume.url}: no upload record for {name}")
 
+        mine = self._marker_name()
+        try:
+            self._check_no_newer_save(volume, listing, mine)
+            self._publish(volume, metadata, storage_md, records, listing)
+        finally:
+            try:
+                volume.delete(mine)
+            except Exception as exc:  # noqa: BLE001 - a leftover marker is harmless; gc removes it
+                logger.warning("could not delete the save marker %s: %s", volume.describe(mine), exc)
+
+    def _check_no_newer_save(self, volume: Volume, listing: dict[str, int], mine: str) -> None:
+        """Raise ConcurrentSaveError when another save started at this location after this one.
+
+        Markers are ordered by the store's modification time (one clock for every job), ties by
+        name, so two saves agree on which is newer and exactly one of them publishes. A killed save's
+        marker is older than this save's, so it never blocks a resumed job re-saving a step."""
+        slot = (layout.parse_save_marker(mine) or (None, ""))[0]
+        others = sorted(
+            n for n in listing if n != mine and (layout.parse_save_marker(n) or (-1, ""))[0] == slot
+        )
+        if not others:
+            return
+        mtimes = volume.list_mtimes()
+        if mine not in mtimes:
+            newer = others  # cannot order without our own marker: assume the worst
+        else:
+            newer = [n for n in others if n in mtimes and (mtimes[n], n) > (mtimes[mine], mine)]
+        if newer:
+            raise ConcurrentSaveError(
+                f"not publishing {volume.url}: another save started at this location while this one ran "
+                f"({_describe_marker(volume, newer[-1])}); the newer save publishes, this one is abandoned"
+            )
+
+    def _publish(
+        self,
+        volume: Volume,
+        metadata: Metadata,
+        storage_md: dict[Any, _StorageInfo],
+        records: dict[str, FileRecord],
+        listing: dict[str, int],
+    ) -> None:
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        setattr(metadata, layout.MANIFEST_ATTR, layout.build_manifest(self.save_id, records.values()))
+        saved_by = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        setattr(metadata, layout.MANIFEST_ATTR, layout.build_manifest(self.save_id, records.values(), saved_by))
         rank = None if self.use_collectives else self._rank()
         meta_name = layout.metadata_name(rank)
-        superseded = self._files_of_published(volume, meta_name) if meta_name in listing else set()
+        current = volume.read_bytes(meta_name) if meta_name in listing else None
+        if self._published_digest is not None and _digest(current) != self._published_digest:
+            raise ConcurrentSaveError(
+                f"not publishing {volume.url}: another save published {volume.describe(meta_name)} while "
+                f"this one ran ({_describe_publisher(current, volume.describe(meta_name))}); that checkpoint "
+                "is kept and this save is abandoned"
+            )
+        superseded = self._files_of_published(volume, meta_name, current)
         volume.publish_bytes(meta_name, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), overwrite=self.overwrite)
         logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
         self._remove_superseded_files(volume, superseded - set(records))
 
-    def _files_of_published(self, volume: Volume, meta_name: str) -> set[str]:
-        """Data files the ``.metadata`` about to be replaced references (empty when it cannot be
-        read: then nothing is deleted and garbage collection deals with the files later)."""
-        raw = volume.read_bytes(meta_name)
+    def _files_of_published(self, volume: Volume, meta_name: str, raw: bytes | None) -> set[str]:
+        """Data files the ``.metadata`` about to be replaced (``raw``) references (empty when it
+        cannot be read: then nothing is deleted and garbage collection deals with the files later)."""
         if raw is None:
             return set()
         try:
@@ -404,6 +470,33 @@ class UCVolumeWriter(FileSystemWriter):
                 volume.delete(name)
             except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
                 logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
+
+
+def _digest(raw: bytes | None) -> str:
+    return "" if raw is None else hashlib.sha256(raw).hexdigest()
+
+
+def _describe_publisher(raw: bytes | None, where: str) -> str:
+    """Which process published a ``.metadata``, in words, for error messages."""
+    if raw is None:
+        return "and it has since been deleted"
+    try:
+        manifest = layout.manifest_of(metadata_io.load_metadata(raw, where)) or {}
+        by = manifest.get("saved_by") or {}
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(by["time"])))
+        return f"save {manifest.get('save_id')}: host {by['host']}, pid {by['pid']}, published {when}"
+    except Exception:  # noqa: BLE001 - written by another writer or unreadable: say so
+        return "by a writer that did not record itself"
+
+
+def _describe_marker(volume: Volume, name: str) -> str:
+    """Who wrote a save marker, in words, for error messages."""
+    try:
+        info = json.loads(volume.read_bytes(name) or b"{}")
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(info["started"])))
+        return f"{volume.describe(name)}: host {info['host']}, pid {info['pid']}, started {started}"
+    except Exception:  # noqa: BLE001 - the marker may be gone or unreadable; its name still helps
+        return volume.describe(name)
 
 
 def _staging_problem(staging: Path, exc: BaseException) -> str | None:
