@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 THROTTLE = "throttle"  # 503 SlowDown
 ERROR = "error"  # 500 InternalError
 CUT = "cut"  # connection closed mid-request or mid-response
+STALL = "stall"  # nothing sent back for ``stall_s`` seconds, then relayed (a slow or hung store)
 
 REGION = "us-east-1"
 
@@ -176,6 +177,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self._send_continue()
                 self._copy_request_body(framing, length, sink=None)
                 self._send_s3_error(fault, method)
+            elif fault == STALL:
+                # Hold the request (body unread) as a hung store would; the client's read
+                # timeout usually fires first and it goes away, which ends the relay below.
+                proxy._stopping.wait(proxy.stall_s)
+                self._forward(method, target, framing, length, cut=False)
             elif fault == CUT and framing != "none":
                 self._send_continue()
                 self._copy_request_body(framing, length, sink=None, partial=True)
@@ -423,6 +429,8 @@ class FaultProxy:
       A request without a body (GET, HEAD, DELETE) is executed upstream, then the client
       gets the status, headers and about half of the response body before the socket
       closes, or no response at all when there is no body (HEAD, 204, empty body).
+    * ``stall_rate``: fraction held for ``stall_s`` seconds (default 30) before being relayed,
+      as a slow or hung store would: a client with a shorter read timeout gives up first.
     * ``fail_all``: when true, every eligible request is answered ``503 SlowDown``
       (counted as ``"throttle"``), overriding the rates.
     * ``match``: ``None`` (all requests eligible) or ``match(method, target) -> bool``,
@@ -438,7 +446,7 @@ class FaultProxy:
 
     Counters: ``requests`` counts every request seen, ``connections`` the client
     connections that carried at least one request, ``injected`` counts faults by kind
-    (``"throttle"``, ``"error"``, ``"cut"``; a :class:`collections.Counter`, so missing
+    (``"throttle"``, ``"error"``, ``"cut"``, ``"stall"``; a :class:`collections.Counter`, so missing
     kinds read as 0) and ``history`` lists a :class:`ProxyRecord` per request (unbounded:
     meant for short tests). :meth:`reset` zeroes them all.
     """
@@ -453,6 +461,8 @@ class FaultProxy:
         fail_all: bool = False,
         match: Optional[Callable[[str, str], bool]] = None,
         seed: int = 0,
+        stall_rate: float = 0.0,
+        stall_s: float = 30.0,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -464,6 +474,9 @@ class FaultProxy:
         self.error_rate = error_rate
         self.cut_rate = cut_rate
         self.fail_all = fail_all
+        self.stall_rate = stall_rate
+        self.stall_s = stall_s
+        self._stopping = threading.Event()
         self.match = match
         self.seed = seed
         self.requests = 0
@@ -488,6 +501,7 @@ class FaultProxy:
         """Bind 127.0.0.1 on a free port and serve in a daemon thread; returns self."""
         if self._server is not None:
             raise RuntimeError("FaultProxy already started")
+        self._stopping.clear()
         self._server = _ProxyServer(self)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
@@ -502,6 +516,7 @@ class FaultProxy:
         server, self._server = self._server, None
         if server is None:
             return
+        self._stopping.set()  # releases stalled requests
         address = server.server_address[:2]
         stopper = threading.Thread(target=server.shutdown, name="fault-proxy-stop", daemon=True)
         stopper.start()
@@ -563,7 +578,7 @@ class FaultProxy:
                 kind = None
                 edge = 0.0
                 for name, rate in ((THROTTLE, self.throttle_rate), (ERROR, self.error_rate),
-                                   (CUT, self.cut_rate)):
+                                   (CUT, self.cut_rate), (STALL, self.stall_rate)):
                     edge += rate
                     if draw < edge:
                         kind = name

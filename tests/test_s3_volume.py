@@ -4,6 +4,7 @@ HTTP level by a proxy; and fsspec volumes (memory://, file://)."""
 from __future__ import annotations
 
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,69 @@ def test_fsspec_corrupt_file_is_named(tmp_path: Path, staging: Path) -> None:
 def test_unknown_scheme_is_a_volume_error() -> None:
     with pytest.raises(VolumeError, match="nosuchproto"):
         open_volume("nosuchproto://x/y")
+
+
+def _data_requests(method: str, path: str) -> bool:
+    return ".distcp" in path and method in ("PUT", "POST", "GET")
+
+
+def test_slow_store_read_timeouts_are_retried(s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy) -> None:
+    # A store that sometimes answers nothing for longer than the client waits: each such request
+    # times out and is retried; the checkpoint saves and loads intact.
+    volume = s3_volume(fault_proxy.url, s3_bucket, "slow", max_attempts=10, read_timeout=1)
+    sd = make_state_dict(11)
+    seen = {"PUT": 0, "GET": 0}
+
+    def first_uploads_and_downloads(method: str, path: str) -> bool:
+        # The first two data-file PUTs and GETs hang; the retries and everything else go through.
+        if ".distcp" not in path or method not in seen:
+            return False
+        seen[method] += 1
+        return seen[method] <= 2
+
+    fault_proxy.stall_rate, fault_proxy.stall_s = 1.0, 4.0
+    fault_proxy.match = first_uploads_and_downloads
+    out = save_and_load(volume, sd)
+    assert_state_dict_equal(sd, out)
+    assert fault_proxy.injected["stall"] == 4, fault_proxy.injected
+
+
+def test_hung_store_fails_clearly_and_keeps_the_previous_checkpoint(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    volume = s3_volume(fault_proxy.url, s3_bucket, "hung", max_attempts=2, read_timeout=1)
+    good = make_state_dict(12, n=1)
+    dcp.save(good, storage_writer=UCVolumeWriter(volume))
+    fault_proxy.match = _data_requests
+    fault_proxy.stall_rate, fault_proxy.stall_s = 1.0, 120.0  # every data upload hangs
+    started = time.monotonic()
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state_dict(13, n=1), storage_writer=UCVolumeWriter(volume))
+    elapsed = time.monotonic() - started
+    err = cause(ei)
+    assert isinstance(err, TransferError) and "s3://" in str(err) and "hung/" in str(err), repr(err)
+    assert "timeout" in repr(err.__cause__).lower() or "timed out" in str(err).lower(), repr(err.__cause__)
+    assert elapsed < 60, f"the save waited {elapsed:.0f} s on a hung store instead of timing out"
+    fault_proxy.stall_rate = 0.0
+    out = empty_like_state_dict(good)
+    dcp.load(out, storage_reader=UCVolumeReader(volume))  # the previous checkpoint, intact
+    assert_state_dict_equal(good, out)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["ranges", "whole-files"])
+def test_partial_objects_on_load_are_named_never_wrong_tensors(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy, prefetch: bool
+) -> None:
+    # Every data GET returns half the body and closes: retried, then a clear error naming the file.
+    volume = s3_volume(fault_proxy.url, s3_bucket, "partial", max_attempts=2)
+    sd = make_state_dict(14, n=2)
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume))
+    fault_proxy.match = lambda method, path: method == "GET" and ".distcp" in path
+    fault_proxy.cut_rate = 1.0
+    out = empty_like_state_dict(sd)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(out, storage_reader=UCVolumeReader(volume, prefetch_files=prefetch))
+    err = cause(ei)
+    assert isinstance(err, (TransferError, CorruptCheckpointError)), repr(err)
+    assert ".distcp" in str(err) and "partial/" in str(err), str(err)
+    assert fault_proxy.injected["cut"] >= 2

@@ -7,6 +7,11 @@ Mode ``fail`` expects every save to fail (the root points at a store that refuse
 each rank must get DCP's CheckpointException with our TransferError/VolumeError inside, none may
 hang, and no ``.metadata`` may appear.
 
+Mode ``onefails`` saves a good checkpoint, then a save in which only rank 1 fails (on S3: the
+failing endpoint refuses rank 1's data files only; locally: rank 1's staging directory is deleted
+mid-write): both ranks must get the error with rank 1's cause inside, nothing may be published over
+the good checkpoint, and both ranks then load the good one.
+
 Usage: multirank_roundtrip.py ROOT MODE [ROOT MODE ...]   (each saves to ROOT/MODE; ROOT is a path
 or URL; ``s3://`` roots use boto3's configuration from the environment, e.g. AWS_ENDPOINT_URL)
 """
@@ -27,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.errors import TransferError, VolumeError
+from uc_checkpoint.errors import StagingError, TransferError, VolumeError
 from uc_checkpoint.volumes import LocalVolume, S3Volume, open_volume
 
 warnings.filterwarnings("ignore")
@@ -46,6 +51,8 @@ def main() -> None:
         dest = f"{root.rstrip('/')}/{mode}"
         if mode == "fail":
             expect_failure(dest)
+        elif mode == "onefails":
+            one_rank_fails(dest)
         else:
             round_trip(dest, mode, mesh)
     dist.destroy_process_group()
@@ -67,6 +74,52 @@ def expect_failure(dest: str) -> None:
         raise AssertionError(f"rank {rank}: the save to {dest} succeeded against a failing store")
     dist.barrier()
     print(f"RANK {rank} fail OK", flush=True)
+
+
+class StagingVandal:
+    """Deletes everything under a staging root when DCP serialises it (mid-write)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def __getstate__(self) -> dict:
+        import shutil
+
+        for child in os.listdir(self.root):
+            shutil.rmtree(os.path.join(self.root, child), ignore_errors=True)
+        return {}
+
+
+def one_rank_fails(dest: str) -> None:
+    rank = dist.get_rank()
+    staging = os.path.join(os.environ.get("UC_TEST_STAGING_ROOT", "/tmp"), f"onefails-rank{rank}")
+    os.makedirs(staging, exist_ok=True)
+    good = {"x": torch.arange(1000.0), f"r{rank}": torch.full((3,), float(rank))}
+    dcp.save(good, storage_writer=UCVolumeWriter(dest, staging_dir=staging))
+    volume = open_volume(dest)
+    if isinstance(volume, S3Volume):  # refuses rank 1's data files only: UC_TEST_FAIL_ENDPOINT
+        volume = S3Volume(dest, endpoint_url=os.environ.get("UC_TEST_FAIL_ENDPOINT"), max_attempts=2, read_timeout=5)
+    bad: dict = {"x": torch.zeros(1000), f"r{rank}": torch.full((3,), -1.0)}
+    if rank == 1 and not isinstance(volume, S3Volume):
+        bad["vandal"] = StagingVandal(staging)
+    try:
+        dcp.save(bad, storage_writer=UCVolumeWriter(volume, staging_dir=staging))
+    except CheckpointException as exc:
+        assert set(exc.failures) == {1}, f"rank {rank}: failures from ranks {sorted(exc.failures)}"
+        inner = exc.failures[1][0] if isinstance(exc.failures[1], tuple) else exc.failures[1]
+        want = TransferError if isinstance(volume, S3Volume) else StagingError
+        assert isinstance(inner, want), f"rank {rank}: {inner!r}"
+        assert (volume.url in str(inner)) or ("onefails-rank1" in str(inner)), f"rank {rank}: {inner}"
+    else:
+        raise AssertionError(f"rank {rank}: the save to {dest} succeeded although rank 1 failed")
+    dist.barrier()
+    out = {"x": torch.zeros(1000), **{f"r{r}": torch.zeros(3) for r in range(dist.get_world_size())}}
+    dcp.load(out, storage_reader=UCVolumeReader(dest))
+    assert torch.equal(out["x"], good["x"]), f"rank {rank}: not the good checkpoint"
+    for r in range(dist.get_world_size()):
+        assert torch.equal(out[f"r{r}"], torch.full((3,), float(r))), f"rank {rank}: key r{r}"
+    dist.barrier()
+    print(f"RANK {rank} onefails OK", flush=True)
 
 
 def round_trip(dest: str, mode: str, mesh: object) -> None:
