@@ -114,3 +114,28 @@ def test_unreadable_metadata_leaves_the_location_alone(tmp_path: Path, staging: 
 def test_negative_grace_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="grace_s"):
         collect_garbage(str(tmp_path), grace_s=-1)
+
+
+def test_gc_on_a_single_location_and_bad_roots(tmp_path: Path, staging: Path) -> None:
+    # A root that is itself one checkpoint location: a failed re-save's files go, the published
+    # checkpoint and a user's own file stay. A missing root is an error, not "deleted 0 files".
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+    from uc_checkpoint.errors import VolumeError
+
+    loc = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(1000)}, storage_writer=UCVolumeWriter(loc))
+    (loc / "__0_deadbeef_0.distcp").write_bytes(b"x" * 100)  # a failed save's file
+    (loc / "notes.txt").write_text("mine")
+    report = collect_garbage(loc, grace_s=0, include_staging=False)
+    assert [Path(f).name for f in report.deleted_files] == ["__0_deadbeef_0.distcp"], report
+    assert (loc / "notes.txt").exists()
+    out = {"w": torch.zeros(1000)}
+    dcp.load(out, storage_reader=UCVolumeReader(loc))
+    assert torch.equal(out["w"], torch.ones(1000))
+    with pytest.raises(VolumeError, match="does not exist"):
+        collect_garbage(tmp_path / "no-such-root", grace_s=0)
+    assert cli_main(["gc", str(tmp_path / "no-such-root"), "--grace-s", "0"]) == 2
+    assert cli_main(["gc", str(loc), "--grace-s", "-5"]) == 2

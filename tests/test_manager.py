@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from uc_checkpoint import UCVolumeWriter
 from uc_checkpoint.errors import CheckpointNotFoundError, TransferError, VolumeError
 from uc_checkpoint.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume, S3Volume
@@ -133,6 +134,25 @@ def test_bad_arguments() -> None:
         CheckpointManager("/tmp/x", async_mode="fork")
     with pytest.raises(ValueError, match="step must be >= 0"):
         CheckpointManager("/tmp/x").save(-1, {})
+    with pytest.raises(TypeError, match="root must be"):
+        CheckpointManager(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="keep_last must be an int"):
+        CheckpointManager("/tmp/x", keep_last="3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step must be an int"):
+        CheckpointManager("/tmp/x").save("5", {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="upload_workers must be an int"):
+        UCVolumeWriter("/tmp/x", upload_workers="4")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="path must be"):
+        UCVolumeWriter(None)  # type: ignore[arg-type]
+
+
+def test_pointer_never_moves_back_and_sync_save_returns_metadata(tmp_path: Path, staging: Path) -> None:
+    root = tmp_path / "run"
+    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    assert manager.save(5, state(5)).result().storage_data  # DCP's Metadata, as async saves give
+    manager.save(2, state(2))  # an older step saved again (e.g. a re-run)
+    assert manager.read_latest_pointer()["step"] == 5
+    assert manager.latest() == 5
 
 
 def test_prune_keeps_protected_and_newer_unpublished_locations(tmp_path: Path, staging: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +35,17 @@ def _gc(args: argparse.Namespace) -> int:
 
     from .garbage import DEFAULT_GRACE_S, collect_garbage
 
+    from .errors import UCCheckpointError
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    report = collect_garbage(
-        args.root, grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
-        staging_dir=args.staging_dir, include_staging=not args.no_staging, dry_run=args.dry_run,
-    )
+    try:
+        report = collect_garbage(
+            args.root, grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
+            staging_dir=args.staging_dir, include_staging=not args.no_staging, dry_run=args.dry_run,
+        )
+    except (UCCheckpointError, ValueError) as exc:
+        print(f"uc-checkpoint gc: error: {exc}", file=sys.stderr)
+        return 2
     verb = "would delete" if args.dry_run else "deleted"
     for path in report.deleted_files:
         print(f"{verb} {path}")

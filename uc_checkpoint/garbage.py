@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoints import list_checkpoints
-from .errors import UCCheckpointError
-from .layout import METADATA_NAME, data_file_names
+from .errors import UCCheckpointError, VolumeError
+from .layout import METADATA_NAME, data_file_names, is_checkpoint_file
 from .reader import UCVolumeReader
 from .staging import default_staging_root
-from .volumes import Volume, open_volume
+from .volumes import LocalVolume, Volume, open_volume
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,11 @@ class GCReport:
     dry_run: bool = False
 
 
-def _collect_location(location: Volume, published: bool, cutoff: float, report: GCReport) -> None:
-    sizes = {n: s for n, s in location.list_files().items() if s >= 0}
+def _collect_location(
+    location: Volume, published: bool, cutoff: float, report: GCReport, remove_empty: bool = True
+) -> None:
+    # Only names a save produces are ever candidates: a user's own files stay, whatever their age.
+    sizes = {n: s for n, s in location.list_files().items() if s >= 0 and is_checkpoint_file(n)}
     mtimes = location.list_mtimes()
     if published:
         try:
@@ -80,7 +83,7 @@ def _collect_location(location: Volume, published: bool, cutoff: float, report: 
         report.deleted_bytes += sizes[name]
         if not report.dry_run:
             location.delete(name)
-    if not published and not report.dry_run:
+    if not published and not report.dry_run and remove_empty:
         location.remove_if_empty()
 
 
@@ -115,7 +118,8 @@ def collect_garbage(
     include_staging: bool = True,
     dry_run: bool = False,
 ) -> GCReport:
-    """Remove leftovers of failed saves under the checkpoint ``root`` (``step_*`` locations).
+    """Remove leftovers of failed saves under the checkpoint ``root`` (its ``step_*`` locations, or
+    ``root`` itself when it is one checkpoint location).
 
     * unpublished locations (no ``.metadata``) whose files are all older than ``grace_s``
       seconds: every file, then the location;
@@ -125,18 +129,27 @@ def collect_garbage(
     * with ``include_staging``: staging directories on this host (under ``staging_dir`` or the
       default staging root) whose newest file is older than ``grace_s``.
 
-    Never deletes a ``.metadata`` or a file it references. Run it on one process (rank 0 or a
+    Never deletes a ``.metadata``, a file it references, or a file whose name no save produces. Run it on one process (rank 0 or a
     cron job). Returns a :class:`GCReport`.
 
     Raises:
         ValueError: ``grace_s`` is negative.
+        VolumeError: a local root is missing or not a directory.
         VolumeError / TransferError: the root cannot be listed.
     """
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
     volume = root if isinstance(root, Volume) else open_volume(root)
+    if isinstance(volume, LocalVolume) and not volume.root.is_dir():
+        raise VolumeError(f"gc root {volume.url} is not a directory" + ("" if volume.root.exists() else " (it does not exist)"))
     cutoff = time.time() - grace_s
     report = GCReport(dry_run=dry_run)
+    root_files = volume.list_files()
+    if any(is_checkpoint_file(n) for n in root_files):
+        # The root is itself one checkpoint location (not a manager root of step_* locations).
+        _collect_location(volume, METADATA_NAME in root_files, cutoff, report, remove_empty=False)
+        if not dry_run:
+            report.aborted_uploads += volume.abort_incomplete_uploads(older_than_s=grace_s)
     for _step, name, published in list_checkpoints(volume):
         location = volume.child(name)
         _collect_location(location, published, cutoff, report)

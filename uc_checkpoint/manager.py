@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -100,6 +101,11 @@ class CheckpointManager:
         writer_options: dict[str, Any] | None = None,
         reader_options: dict[str, Any] | None = None,
     ) -> None:
+        if not isinstance(root, (str, os.PathLike, Volume)):
+            raise TypeError(f"root must be a path, URL or Volume, got {type(root).__name__}")
+        for arg, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"{arg} must be an int or None, got {type(value).__name__}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -234,9 +240,12 @@ class CheckpointManager:
         there are logged, never raised into training).
 
         Raises:
+            TypeError: ``step`` is not an int.
             ValueError: ``step`` is negative.
             CheckpointException (DCP's) with our errors inside: the previous or this (sync) save failed.
         """
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
         name = checkpoint_name(step)
         self.wait()
         writer = UCVolumeWriter(self.root.child(name), staging_dir=self.staging_dir, **self.writer_options)
@@ -246,9 +255,9 @@ class CheckpointManager:
                 state_dict, storage_writer=writer, process_group=self.process_group, async_checkpointer_type=mode
             )
         else:
-            dcp.save(state_dict, storage_writer=writer, process_group=self.process_group)
+            metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.process_group)
             fut = Future()
-            fut.set_result(None)
+            fut.set_result(metadata)
         # The caller's future completes after the housekeeping, so wait() covers it too.
         done: Future = Future()
         leader = self._is_leader()
@@ -279,7 +288,8 @@ class CheckpointManager:
         if fut.cancelled() or fut.exception() is not None:
             return  # nothing published: keep everything
         try:
-            if self.write_pointer:
+            # The pointer names the newest checkpoint: saving an older step again must not move it back.
+            if self.write_pointer and step >= max((i.step for i in self._list_local() if i.published), default=step):
                 self.write_latest_pointer(step)
             self.prune(protect={step})
         except Exception:  # noqa: BLE001 - housekeeping must not take training down

@@ -95,6 +95,8 @@ class UCVolumeReader(FileSystemReader):
         range_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         allow_unsafe_metadata: bool = False,
     ) -> None:
+        if not isinstance(path, (str, os.PathLike, Volume)):
+            raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
         if download_workers < 1:
             raise ValueError(f"download_workers must be >= 1, got {download_workers}")
         for arg, value in (("max_inflight_bytes", max_inflight_bytes), ("range_chunk_bytes", range_chunk_bytes)):

@@ -159,6 +159,12 @@ class UCVolumeWriter(FileSystemWriter):
         create_parents: bool = True,
         sync_files: bool = True,
     ) -> None:
+        if not isinstance(path, (str, os.PathLike, Volume)):
+            raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
+        for arg, value in (("upload_workers", upload_workers), ("thread_count", thread_count),
+                           ("file_size_bytes", file_size_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
         if upload_workers < 1:
             raise ValueError(f"upload_workers must be >= 1, got {upload_workers}")
         if thread_count < 1:

@@ -147,7 +147,7 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
         for ev in job.poll_events():
             kind = ev["event"]
             if kind == "start":
-                say(f"  [{job.label}] {ev['world_size']} ranks, {ev['params']:,} parameters, starting at step {ev['step']}")
+                say(f"  [{job.label}] {ev['world_size']} rank{'' if ev['world_size'] == 1 else 's'}, {ev['params']:,} parameters, starting at step {ev['step']}")
             elif kind == "resume":
                 say(f"  [{job.label}] resumed from {ev['location']} at step {ev['step']} in {ev['load_s']:.2f} s "
                     f"(saved by {ev['saved_world_size']} ranks, now {ev['world_size']})")
@@ -373,7 +373,7 @@ def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpubl
     for step, name, _published in list_checkpoints(vol):
         sizes[step] = sum(s for s in vol.child(name).list_files().values() if s > 0)
     say("")
-    say(f"{'run':6} {'step':>5} {'size MB':>8} {'blocked s':>10} {'to .metadata s':>15} {'MB/s':>7}  state")
+    say(f"{'run':8} {'step':>5} {'size MB':>8} {'blocked s':>10} {'to .metadata s':>15} {'MB/s':>7}  state")
     for job in jobs:
         starts = {e["step"]: e for e in job.events if e["event"] == "save_start"}
         dones = {e["step"]: e for e in job.events if e["event"] == "save_done"}
@@ -388,7 +388,7 @@ def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpubl
                 state = "killed during upload: no .metadata (checked)"
             else:
                 state = "killed during upload"
-            say(f"{job.label:6} {step:5d} {size / 1e6:8.2f} {ev['blocked_s']:10.3f} {publish:>15} {rate:>7}  {state}")
+            say(f"{job.label:8} {step:5d} {size / 1e6:8.2f} {ev['blocked_s']:10.3f} {publish:>15} {rate:>7}  {state}")
     for ev in resumes:
         d = ev["data"]
         say(f"resume: step {ev['step']} from {ev['location']} ({ev['saved_world_size']} -> {ev['world_size']} ranks; "
