@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from tests.s3_fixtures import _CLEARED_ENV, _FAKE_ENV, REGION, s3_client
+from tests.s3_fixtures import REGION, moto_server, s3_client  # noqa: F401 - moto_server is part of this API
 
 log = logging.getLogger(__name__)
 
@@ -125,53 +125,6 @@ def _run_quiet(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProce
 
 
 # -- S3 server ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """Run moto's S3 server on 127.0.0.1 (a free port) and yield its ``http://host:port`` URL.
-
-    For the duration, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` are ``testing`` and
-    ``AWS_DEFAULT_REGION`` is ``us-east-1``, and ``AWS_SESSION_TOKEN``, ``AWS_SECURITY_TOKEN``
-    and ``AWS_PROFILE`` are unset, so clients built from the environment use the fake keys;
-    all are restored afterwards. The server keeps every object in this process's memory
-    (RSS grows with the bytes uploaded and is not returned), so keep the data modest.
-
-    Same setup as the tests' ``s3_server`` fixture, which cannot be called outside pytest.
-
-    Raises:
-        ImportError: moto (with its server extra) is not installed.
-    """
-    from moto.server import ThreadedMotoServer
-
-    werkzeug_log = logging.getLogger("werkzeug")
-    saved_level = werkzeug_log.level
-    # werkzeug logs a line per request at INFO, which would swamp a benchmark's log.
-    werkzeug_log.setLevel(logging.WARNING)
-    saved_env = {name: os.environ.get(name) for name in (*_FAKE_ENV, *_CLEARED_ENV)}
-    os.environ.update(_FAKE_ENV)
-    for name in _CLEARED_ENV:
-        os.environ.pop(name, None)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    try:
-        server.start()
-        host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
-        log.debug("moto server on %s", url)
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            server.stop()
-        # ThreadedMotoServer.stop() leaves the listening socket open.
-        inner = getattr(server, "_server", None)
-        if inner is not None:
-            inner.server_close()
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        werkzeug_log.setLevel(saved_level)
 
 
 def make_bucket(endpoint_url: str, name: str) -> str:

@@ -3,7 +3,8 @@
 ``gpt_state(size_bytes)``: a GPT-style decoder's parameters (token embedding, per block: fused QKV,
 attention projection, MLP up/down, two LayerNorms) plus AdamW's ``exp_avg`` / ``exp_avg_sq`` for each
 and a ``step`` scalar, all float32, so the parameters are a third of ``size_bytes``. The width is
-1024 (256 below 64 MiB); the depth is chosen to reach the size.
+the widest of 256, 512, 1024 and 2048 that leaves room for at least 4 blocks, the vocabulary about
+a tenth of the parameters, and the depth is chosen to reach the size (within a block).
 
 ``small_tensors_state(size_bytes)``: the same bytes as many 16 KiB tensors (plus a few bigger ones),
 the shape that stresses per-item overhead.
@@ -24,9 +25,10 @@ SMALL_TENSOR_BYTES = 16 << 10
 
 
 def _shapes_gpt(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
-    d = 1024 if size_bytes >= (64 << 20) else 256
-    vocab = 8192
-    n_params = max(size_bytes // 12, vocab * d)  # params + exp_avg + exp_avg_sq, 4 bytes each
+    n_params = max(size_bytes // 12, 1 << 16)  # params + exp_avg + exp_avg_sq, 4 bytes each
+    # The widest of 256..2048 that still leaves room for at least 4 blocks; embeddings ~10%.
+    d = max([256] + [w for w in (512, 1024, 2048) if 4 * 12 * w * w <= n_params])
+    vocab = max(1024, min(50304, n_params // 10 // d)) // 64 * 64  # padded, as real vocabularies are
     n_layer = max(1, round((n_params - vocab * d) / (12 * d * d)))
     shapes: list[tuple[str, tuple[int, ...]]] = [("tok_emb.weight", (vocab, d))]
     for i in range(n_layer):
@@ -47,7 +49,9 @@ def _seed(name: str, rank: int) -> int:
 
 def _local(name: str, shape: tuple[int, ...], rank: int, world_size: int, zeros: bool) -> torch.Tensor:
     rows = shape[0]
-    lo, hi = rows * rank // world_size, rows * (rank + 1) // world_size
+    # torch.chunk's split, which DTensor's Shard(0) assumes (the first ranks get the larger pieces).
+    piece = -(-rows // world_size)
+    lo, hi = min(rows, rank * piece), min(rows, (rank + 1) * piece)
     local_shape = (hi - lo, *shape[1:])
     if zeros:
         return torch.zeros(local_shape)

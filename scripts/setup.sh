@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 log=$(mktemp)
 echo "set-up: installing uc-checkpoint and its dependencies into .venv (torch 2.13.0 CPU; a few minutes on a fresh machine; log: $log)" >&2
-if ! .venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt -e '.[test]' >"$log" 2>&1; then
+if ! .venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt -e ".[${UC_SETUP_EXTRAS:-test}]" >"$log" 2>&1; then
     grep -vE "Location .* is ignored" "$log" >&2
     echo "set-up failed: pip install did not succeed (full log above)" >&2
     exit 1

@@ -18,6 +18,7 @@ botocore. Nothing here imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import http.client
 import logging
 import os
@@ -673,12 +674,14 @@ _FAKE_ENV = {
 _CLEARED_ENV = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE")
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
-    """Run moto's S3 server on 127.0.0.1 for the session and yield its ``http://`` URL.
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """Run moto's S3 server on 127.0.0.1 (a free port) and yield its ``http://`` URL.
 
-    Fake credentials and region are put into the environment (for code that builds its
-    own clients) and restored afterwards.
+    Fake credentials and region are put into the environment (for code that builds its own
+    clients) and a developer's session token or profile is removed; all are restored afterwards.
+    The server keeps every object in this process's memory. Used by the ``s3_server`` fixture and
+    by the benchmark runner (benchmarks/run.py).
     """
     from moto.server import ThreadedMotoServer
 
@@ -707,6 +710,13 @@ def s3_server() -> Iterator[str]:
             else:
                 os.environ[name] = value
         werkzeug_log.setLevel(saved_level)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """moto's S3 server for the test session (see :func:`moto_server`); yields its URL."""
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

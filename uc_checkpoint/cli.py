@@ -1,51 +1,129 @@
-"""The ``uc-checkpoint`` command line."""
+"""The ``uc-checkpoint`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``demo``, ``bench``.
+
+Every verb takes local/FUSE paths, ``s3://bucket/prefix`` (boto3's configuration from the environment,
+e.g. ``AWS_ENDPOINT_URL``) and fsspec URLs. ``--json`` prints one JSON document for scripts. A user
+mistake or a checkpoint problem is one line on stderr and a non-zero exit (2 for errors, 1 for a
+checkpoint that fails ``verify``), never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``uc-checkpoint``; returns the process exit code."""
-    from .demo import run as demo_run
+def _size(n: int | None) -> str:
+    if n is None or n < 0:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
 
-    parser = argparse.ArgumentParser(prog="uc-checkpoint", description="Staged, crash-safe DCP checkpoints on volumes")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="resume-after-preemption demo: train, get killed mid-upload, resume, compare")
-    demo_run.build_parser(demo)
-    gc = sub.add_parser("gc", help="delete what failed saves left under a checkpoint root (older than a grace period)")
-    gc.add_argument("root", help="checkpoint root: path, s3://bucket/prefix or fsspec URL")
-    gc.add_argument("--grace-s", type=float, default=None,
-                    help="spare anything younger than this many seconds (default 21600 = 6 h)")
-    gc.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
-    gc.add_argument("--staging-dir", help="staging root to clean too (default: $UC_CHECKPOINT_STAGING_DIR or the temp dir)")
-    gc.add_argument("--no-staging", action="store_true", help="leave local staging directories alone")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo_run.run_demo(args)
-    if args.command == "gc":
-        return _gc(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= span:
+            return f"{s / span:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from .describe import list_root, summary_dict
+
+    rows = list_root(args.root)
+    if args.json:
+        _print_json([summary_dict(r) for r in rows])
+        return 0
+    if not rows:
+        print(f"no checkpoints under {args.root}")
+        return 0
+    print(f"{'step':>10}  {'state':10}  {'size':>10}  {'files':>5}  {'age':>6}  location")
+    for r in rows:
+        print(f"{r.step:>10}  {r.state:10}  {_size(r.bytes):>10}  {r.files:>5}  {_age(r.age_s):>6}  {r.location}")
+        if r.problem:
+            print(f"{'':>10}  problem: {r.problem}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .describe import describe_checkpoint
+
+    info = describe_checkpoint(args.checkpoint, data_state=not args.no_data_state)
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"checkpoint {info['location']}")
+    if info.get("saved_by"):
+        by = info["saved_by"]
+        print(f"  saved by host {by.get('host')}, pid {by.get('pid')} (save {info.get('save_id')})")
+    print(f"  {len(info['items'])} items, {_size(info['total_bytes'])} in {sum(len(v) for v in info['files'].values())} files")
+    print(f"\n  {'key':50} {'dtype':10} {'shape':24} {'size':>10} chunks")
+    for item in info["items"]:
+        shape = "x".join(map(str, item["shape"])) if item["shape"] is not None else "(object)"
+        print(f"  {item['key'][:50]:50} {item['dtype'] or '-':10} {shape[:24]:24} {_size(item['bytes']):>10} {item['chunks']}")
+    print("\n  data files by rank:")
+    for rank, files in sorted(info["files"].items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)):
+        print(f"    rank {rank}: {len(files)} files, {_size(sum(f['bytes'] for f in files if f['bytes'] > 0))}")
+    for key, st in (info.get("data_pipeline") or {}).items():
+        if "error" in st:
+            print(f"\n  data pipeline ({key}): unreadable: {st['error']}")
+            continue
+        print(f"\n  data pipeline ({key}): epoch {st['epoch']}, {st['samples_consumed_in_epoch']} samples consumed, "
+              f"{st['samples_remaining_in_epoch']} remaining in {st['shards_with_remaining_work']} of {st['num_shards']} "
+              f"shards (seed {st['seed']})")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify_checkpoint
+
+    bar = None
+    if not args.json and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr)
+    try:
+        report = verify_checkpoint(args.checkpoint, progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        _print_json({"location": report.location, "ok": report.ok, "files_checked": report.files_checked,
+                     "bytes_checked": report.bytes_checked, "checksums": report.checksums,
+                     "problems": report.problems})
+    else:
+        for problem in report.problems:
+            print(f"problem: {problem}", file=sys.stderr)
+        what = "checksums verified" if report.checksums else "sizes only: no manifest, so no checksums"
+        verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
+        print(f"{report.location}: {verdict}; {report.files_checked} files, {_size(report.bytes_checked)} read, {what}")
+    return 0 if report.ok else 1
 
 
 def _gc(args: argparse.Namespace) -> int:
-    import logging
-
     from .garbage import DEFAULT_GRACE_S, collect_garbage
 
-    from .errors import UCCheckpointError
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        report = collect_garbage(
-            args.root, grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
-            staging_dir=args.staging_dir, include_staging=not args.no_staging, dry_run=args.dry_run,
-        )
-    except (UCCheckpointError, ValueError) as exc:
-        print(f"uc-checkpoint gc: error: {exc}", file=sys.stderr)
-        return 2
+    report = collect_garbage(
+        args.root, grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
+        staging_dir=args.staging_dir, include_staging=not args.no_staging, dry_run=args.dry_run,
+    )
+    if args.json:
+        _print_json(vars(report))
+        return 0
     verb = "would delete" if args.dry_run else "deleted"
     for path in report.deleted_files:
         print(f"{verb} {path}")
@@ -56,6 +134,86 @@ def _gc(args: argparse.Namespace) -> int:
     print(f"{verb} {len(report.deleted_files)} files ({report.deleted_bytes} bytes), "
           f"{len(report.removed_staging_dirs)} staging dirs; aborted {report.aborted_uploads} multipart uploads")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / "benchmarks" / "run.py").is_file():
+        raise _UserError("uc-checkpoint bench needs a source checkout (benchmarks/ beside the package); "
+                         "run ./scripts/bench.sh there")
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.call([sys.executable, "-m", "benchmarks.run", *args.bench_args], cwd=repo, env=env)
+
+
+class _UserError(Exception):
+    """A mistake on the command line, reported as one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .demo import run as demo_run
+
+    parser = argparse.ArgumentParser(prog="uc-checkpoint", description="Staged, crash-safe DCP checkpoints on volumes")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ls = sub.add_parser("ls", help="the checkpoints under a root: step, state, size, files, age")
+    ls.add_argument("root", help="checkpoint root: path, s3://bucket/prefix or fsspec URL")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+
+    ins = sub.add_parser("inspect", help="one checkpoint's keys (dtype, shape, size), files per rank, data-pipeline state")
+    ins.add_argument("checkpoint", help="checkpoint location: path or URL")
+    ins.add_argument("--json", action="store_true", help="print JSON")
+    ins.add_argument("--no-data-state", action="store_true", help="do not read the data-pipeline state item")
+
+    ver = sub.add_parser("verify", help="check every file of a checkpoint against its manifest (exit 1 on a problem)")
+    ver.add_argument("checkpoint", help="checkpoint location: path or URL")
+    ver.add_argument("--json", action="store_true", help="print JSON")
+
+    gc = sub.add_parser("gc", help="delete what failed saves left under a checkpoint root (older than a grace period)")
+    gc.add_argument("root", help="checkpoint root (or one checkpoint location): path, s3://bucket/prefix or fsspec URL")
+    gc.add_argument("--grace-s", type=float, default=None,
+                    help="spare anything younger than this many seconds (default 21600 = 6 h)")
+    gc.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+    gc.add_argument("--staging-dir", help="staging root to clean too (default: $UC_CHECKPOINT_STAGING_DIR or the temp dir)")
+    gc.add_argument("--no-staging", action="store_true", help="leave local staging directories alone")
+    gc.add_argument("--json", action="store_true", help="print JSON")
+
+    demo = sub.add_parser("demo", help="resume-after-preemption demo: train, get killed mid-upload, resume, compare")
+    demo_run.build_parser(demo)
+
+    bench = sub.add_parser("bench", help="the checkpoint benchmark and its report (source checkout, root)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for python -m benchmarks.run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``uc-checkpoint``; returns the process exit code."""
+    from .errors import UCCheckpointError
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = [*extra, *args.bench_args]  # every option belongs to benchmarks.run
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    handlers = {"ls": _ls, "inspect": _inspect, "verify": _verify, "gc": _gc, "bench": _bench}
+    try:
+        if args.command == "demo":
+            from .demo import run as demo_run
+
+            return demo_run.run_demo(args)
+        return handlers[args.command](args)
+    except (UCCheckpointError, _UserError, ValueError, OSError) as exc:
+        print(f"uc-checkpoint {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException carrying our errors
+        if type(exc).__name__ != "CheckpointException":
+            raise
+        inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
+        print(f"uc-checkpoint {args.command}: error: {inner[0] if inner else exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -31,9 +31,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from . import layout
 from .checkpoints import checkpoint_name, list_checkpoints
 from .errors import CheckpointNotFoundError, TransferError, UCCheckpointError, VolumeError
-from .layout import METADATA_NAME, manifest_of, manifest_records, referenced_files
+from .describe import missing_or_short
+from .layout import METADATA_NAME
+from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
 from .reader import UCVolumeReader
 from .volumes import Volume, open_volume
 from .writer import UCVolumeWriter
@@ -127,6 +130,8 @@ class CheckpointManager:
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
         self._inflight: tuple[int, Future] | None = None
+        #: The :class:`~uc_checkpoint.records.SaveEvent` of the last save (None before the first).
+        self.last_save: SaveEvent | None = None
         self._preempt_signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
 
@@ -198,14 +203,7 @@ class CheckpointManager:
             files = self._retry(f"list {info.name}", location.list_files)
         except UCCheckpointError as exc:
             return str(exc)
-        exact = {name: rec.size for name, rec in manifest_records(manifest_of(metadata)).items()}
-        for name, least in referenced_files(metadata).items():
-            if name not in files:
-                return f"{location.describe(name)} is missing"
-            want = exact.get(name)
-            if (want is not None and files[name] != want) or files[name] < least:
-                return f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
-        return None
+        return missing_or_short(location, metadata, files)
 
     def _latest_local(self) -> int | None:
         for info in reversed(self._list_local()):
@@ -248,21 +246,33 @@ class CheckpointManager:
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         name = checkpoint_name(step)
         self.wait()
-        writer = UCVolumeWriter(self.root.child(name), staging_dir=self.staging_dir, **self.writer_options)
-        if self.async_save:
-            mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-            fut: Future = dcp.async_save(
-                state_dict, storage_writer=writer, process_group=self.process_group, async_checkpointer_type=mode
-            )
-        else:
-            metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.process_group)
-            fut = Future()
-            fut.set_result(metadata)
+        location = self.root.child(name)
+        writer = UCVolumeWriter(location, staging_dir=self.staging_dir, **self.writer_options)
+        leader = self._is_leader()
+        run_id = active_mlflow_run_id() if leader else None
+        started = time.perf_counter()
+        try:
+            if self.async_save:
+                mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
+                fut: Future = dcp.async_save(
+                    state_dict, storage_writer=writer, process_group=self.process_group, async_checkpointer_type=mode
+                )
+            else:
+                metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.process_group)
+                fut = Future()
+                fut.set_result(metadata)
+        except BaseException as exc:
+            self._record(SaveEvent(step, location.url, time.perf_counter() - started, error=_one_line(exc)), run_id)
+            raise
+        blocked_s = time.perf_counter() - started
         # The caller's future completes after the housekeeping, so wait() covers it too.
         done: Future = Future()
-        leader = self._is_leader()
 
         def finished(f: Future) -> None:
+            try:
+                self._record(_save_event(step, location.url, blocked_s, started, f), run_id)
+            except Exception:  # noqa: BLE001 - a record must never leave wait() blocked
+                logger.exception("checkpoint manager: recording the save of step %d failed", step)
             if leader:
                 self._after_publish(step, f)  # logs its own failures
             if f.cancelled():  # never leave wait() blocked on a future nobody will complete
@@ -277,6 +287,14 @@ class CheckpointManager:
         self._inflight = (step, done)
         fut.add_done_callback(finished)
         return done
+
+    def _record(self, event: SaveEvent, mlflow_run_id: str | None) -> None:
+        self.last_save = event
+        if event.ok:
+            logger.info("checkpoint step %d: %s bytes in %s files to %s; blocked %.3f s, published after %.3f s",
+                        event.step, event.bytes, event.files, event.location, event.blocked_s, event.publish_s)
+        if mlflow_run_id is not None:
+            log_to_mlflow(mlflow_run_id, event)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise its error."""
@@ -451,3 +469,27 @@ class CheckpointManager:
 
 
 __all__ = ["POINTER_NAME", "CheckpointInfo", "CheckpointManager"]
+
+
+def _one_line(exc: BaseException) -> str:
+    """A failed save's cause in one line (DCP wraps ours in CheckpointException per rank)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _save_event(step: int, location: str, blocked_s: float, started: float, fut: Future) -> SaveEvent:
+    """The :class:`SaveEvent` of a save whose future ``fut`` has just completed."""
+    event = SaveEvent(step, location, blocked_s)
+    if fut.cancelled():
+        event.error = "cancelled"
+    elif fut.exception() is not None:
+        event.error = _one_line(fut.exception())  # type: ignore[arg-type]
+    else:
+        event.publish_s = time.perf_counter() - started
+        files = (layout.manifest_of(fut.result()) or {}).get("files")
+        if files:
+            event.bytes, event.files = sum(int(e["size"]) for e in files.values()), len(files)
+    return event

@@ -63,6 +63,7 @@ from .errors import (
     UCCheckpointError,
     VolumeError,
 )
+from .records import TransferRecord
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
 from .transfer import TransferGroup, TransferPool
 from .volumes import FileRecord, Volume, open_volume
@@ -115,7 +116,7 @@ class _StagingFileSystem(FileSystem):
 
 
 class UCVolumeWriter(FileSystemWriter):
-    """DCP storage writer for a volume (local or FUSE path; more backends by URL).
+    """DCP storage writer for a volume: a local or FUSE path, ``s3://bucket/prefix`` or an fsspec URL.
 
     Use exactly like DCP's writers::
 
@@ -143,8 +144,10 @@ class UCVolumeWriter(FileSystemWriter):
             is a key prefix and an object of the same name does not block it).
         LocationNotEmptyError: the location holds files that are not part of a checkpoint.
         CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
-        StagingError: the staging directory cannot be created.
-        TransferError: an upload failed or landed with the wrong size.
+        ConcurrentSaveError: another save at the same location started after this one, or published
+            while this one ran (this one publishes nothing; see :mod:`uc_checkpoint.layout`).
+        StagingError: the staging directory cannot be created, is full, or was deleted mid-save.
+        TransferError: an upload failed or landed with the wrong size or checksum.
     """
 
     def __init__(
@@ -190,6 +193,9 @@ class UCVolumeWriter(FileSystemWriter):
         # sha256 of the .metadata published at the location when this save started ("" for none),
         # None until the location was checked: a change by finish means another save published.
         self._published_digest: str | None = None
+        #: This rank's :class:`~uc_checkpoint.records.TransferRecord` of the last save (None before
+        #: one succeeded; in DCP's PROCESS mode it stays in the background process).
+        self.last_record: TransferRecord | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's PROCESS mode pickles the writer: clients and pools are rebuilt on the other side.
@@ -308,10 +314,14 @@ class UCVolumeWriter(FileSystemWriter):
         self.path = staging  # type: ignore[assignment]  # where DCP's serialiser writes
         started = time.perf_counter()
         sync = self.sync_volume
+        retries_before = volume.retries
+        spans: list[tuple[float, float]] = []
 
         def upload(local: Path) -> FileRecord:
+            t0 = time.perf_counter()
             staged_size = local.stat().st_size
             record = volume.upload_file(local, local.name, sync=sync)  # verifies what landed
+            spans.append((t0, time.perf_counter()))
             if record.size != staged_size:
                 raise TransferError(
                     f"{volume.describe(local.name)} was uploaded with {record.size} bytes, "
@@ -328,6 +338,7 @@ class UCVolumeWriter(FileSystemWriter):
                 results: list[WriteResult] = self._write_data(planner, self._file_queue(plan, staging)).value()
             finally:
                 self.fs.on_file_written = None
+                staging_s = time.perf_counter() - started
             records = {r.name: r for r in group.results()}
         except BaseException as exc:
             group.cancel()
@@ -358,12 +369,13 @@ class UCVolumeWriter(FileSystemWriter):
                     ),
                 )
             )
-        nbytes = sum(r.size for r in records.values())
-        elapsed = time.perf_counter() - started
-        logger.info(
-            "rank %d: %d files, %d bytes to %s in %.3f s (%.1f MB/s)",
-            self._rank(), len(records), nbytes, volume.url, elapsed, nbytes / max(elapsed, 1e-9) / 1e6,
+        self.last_record = TransferRecord(
+            op="save", location=volume.url, rank=self._rank(), bytes=sum(r.size for r in records.values()),
+            files=len(records), total_s=time.perf_counter() - started, staging_s=staging_s,
+            transfer_s=(max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0,
+            retries=volume.retries - retries_before,
         )
+        logger.info("%s", self.last_record.describe())
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(out)
         return fut

@@ -30,6 +30,10 @@ class Volume(ABC):
     #: request costs the same for 1 byte or 1 MiB; a local disk: whole files, streamed).
     prefers_ranged_reads: bool = False
 
+    #: Requests retried so far by this volume's client (throttling, 5xx, timeouts, cut bodies);
+    #: stores without retries leave it at 0. Read it before and after a transfer for its count.
+    retries: int = 0
+
     def describe(self, name: str) -> str:
         """The full URL or path of ``name`` for messages."""
         return f"{self.url.rstrip('/')}/{name}"

@@ -136,6 +136,8 @@ class S3Volume(Volume):
         self._explicit_client = client is not None
         self._transfer: Any = None
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self.retries = 0
 
     def __repr__(self) -> str:
         return f"S3Volume({self.url!r})"
@@ -151,11 +153,13 @@ class S3Volume(Volume):
         state["_client"] = None
         state["_transfer"] = None
         state["_lock"] = None
+        state["_stats_lock"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
 
     # ---- clients (created on first use) -------------------------------------------------------
     @property
@@ -164,7 +168,18 @@ class S3Volume(Volume):
         with self._lock:
             if self._client is None:
                 self._client = self._make_client()
+                # botocore reports the retries behind each successful call; count them for records.
+                self._client.meta.events.register("after-call.s3", self._count_retries)
             return self._client
+
+    def _count_retries(self, parsed: Any = None, **_: Any) -> None:
+        attempts = ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts") or 0
+        if attempts:
+            self._add_retries(int(attempts))
+
+    def _add_retries(self, n: int) -> None:
+        with self._stats_lock:
+            self.retries += n
 
     def _make_client(self) -> Any:
         if self.client_factory is not None:
@@ -396,6 +411,7 @@ class S3Volume(Volume):
                     raise
                 delay = random.uniform(0, min(20.0, 0.1 * 2**attempt))  # full jitter
                 logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.describe(name), exc, attempt, delay)
+                self._add_retries(1)
                 time.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -1,0 +1,284 @@
+"""One benchmark case in a fresh process (so its peak memory is its own), one rank or many under
+torchrun; writes one JSON result. Run by :mod:`benchmarks.run`::
+
+    python -m benchmarks.case --case uc --dest s3://bench/uc/1 --visible s3://bench/uc/1/.metadata \\
+        --kind gpt --size-mb 256 --out result.json
+
+Cases (``--case``):
+
+* ``uc``: ``UCVolumeWriter`` / ``UCVolumeReader`` (``--dest`` a path, FUSE path or URL).
+* ``fs``: DCP's stock ``FileSystemWriter`` / ``FileSystemReader`` on a path (local disk or a mount).
+* ``fsspec``: DCP's ``FsspecWriter`` / ``FsspecReader`` (needs the ``s3fs`` Python package for s3://).
+* ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (needs that package).
+* ``boto3``: the store's limit: the data files of a local ``dcp.save`` uploaded and downloaded with
+  boto3's ``upload_file`` / ``download_file`` (s3transfer), 4 files at a time, as our writer does.
+
+Every case first times a plain in-memory copy of the state dict (the floor for any async save's
+blocked time). Save cases then measure, in this order:
+
+1. a synchronous ``dcp.save`` to ``<dest>-sync``: peak extra memory (VmHWM above the RSS before the
+   save; ``/proc/self/clear_refs`` resets the high-water mark) with no staging copy involved;
+2. ``dcp.async_save`` (THREAD) to ``<dest>``: ``blocked_s`` (until async_save returns: training is
+   blocked that long) and ``publish_s`` (until ``--visible``, the ``.metadata`` object or file on the
+   volume itself, exists; polled every 5 ms by rank 0), then waits for the future;
+3. ``dcp.load`` into zeros (page cache dropped first when root): ``load_s``, and the loaded state
+   is compared with what was saved, tensor by tensor (a mismatch fails the case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from . import state
+
+POLL_S = 0.005
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _drop_page_cache() -> None:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3")
+    except OSError:
+        pass  # not root: loads may be served from the page cache; the report says which
+
+
+def _exists(url: str) -> Callable[[], bool]:
+    """A cheap probe for one object or file on the volume itself (not through a mount)."""
+    if url.startswith("s3://"):
+        import boto3
+
+        bucket, _, key = url[5:].partition("/")
+        client = boto3.client("s3")
+
+        def probe() -> bool:
+            try:
+                client.head_object(Bucket=bucket, Key=key)
+                return True
+            except client.exceptions.ClientError:
+                return False
+
+        return probe
+    return lambda: os.path.exists(url)
+
+
+def _writer(case: str, dest: str) -> Any:
+    if case == "uc":
+        from uc_checkpoint import UCVolumeWriter
+
+        return UCVolumeWriter(dest)
+    if case == "fs":
+        return dcp.FileSystemWriter(dest)
+    if case == "fsspec":
+        from torch.distributed.checkpoint import FsspecWriter
+
+        return FsspecWriter(dest, sync_files=False)
+    if case == "s3tc":
+        from s3torchconnector.dcp import S3StorageWriter
+
+        writer = S3StorageWriter(region="us-east-1", path=dest)
+        writer.fs._client = _s3tc_client()
+        return writer
+    raise SystemExit(f"unknown case {case!r}")
+
+
+def _s3tc_client() -> Any:
+    # s3torchconnector's DCP classes take no endpoint; its S3Client does (the local server, path style).
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    return S3Client(region="us-east-1", endpoint=os.environ["AWS_ENDPOINT_URL"],
+                    s3client_config=S3ClientConfig(force_path_style=True))
+
+
+def _reader(case: str, dest: str) -> Any:
+    if case == "uc":
+        from uc_checkpoint import UCVolumeReader
+
+        return UCVolumeReader(dest)
+    if case == "fs":
+        return dcp.FileSystemReader(dest)
+    if case == "fsspec":
+        from torch.distributed.checkpoint import FsspecReader
+
+        return FsspecReader(dest)
+    if case == "s3tc":
+        from s3torchconnector.dcp import S3StorageReader
+
+        reader = S3StorageReader(region="us-east-1", path=dest)
+        reader.fs._client = _s3tc_client()
+        return reader
+    raise SystemExit(f"unknown case {case!r}")
+
+
+def _timed_copy(sd: Any) -> float:
+    t0 = time.perf_counter()
+    copy = state.cpu_copy(sd)
+    elapsed = time.perf_counter() - t0
+    del copy
+    gc.collect()
+    return elapsed
+
+
+def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # 1. synchronous save: memory without a staging copy
+    gc.collect()
+    base = _rss_kib("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-sync"))
+    out["sync_save_s"] = time.perf_counter() - t0
+    out["sync_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
+
+    # 2. async save: blocked time and time until .metadata is on the volume
+    if dist.is_initialized():
+        dist.barrier()
+    probe = _exists(args.visible) if rank == 0 else None
+    gc.collect()
+    base = _rss_kib("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    fut = dcp.async_save(sd, storage_writer=_writer(args.case, args.dest))
+    out["blocked_s"] = time.perf_counter() - t0
+    if probe is not None:
+        deadline = t0 + args.timeout
+        while not probe():
+            if time.perf_counter() > deadline:
+                raise SystemExit(f"{args.visible} did not appear within {args.timeout} s")
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+            time.sleep(POLL_S)
+        out["publish_s"] = time.perf_counter() - t0
+    result = fut.result() if not hasattr(fut, "upload_completion") else fut.upload_completion.result()
+    del result
+    out["async_done_s"] = time.perf_counter() - t0
+    out["async_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
+
+    # 3. load into zeros and compare
+    if dist.is_initialized():
+        dist.barrier()
+    target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
+    _drop_page_cache()
+    if dist.is_initialized():
+        dist.barrier()
+    gc.collect()
+    base = _rss_kib("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    dcp.load(target, storage_reader=_reader(args.case, args.dest))
+    out["load_s"] = time.perf_counter() - t0
+    out["load_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
+    state.assert_equal(sd, target)
+    out["verified"] = True
+    return out
+
+
+def run_boto3(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
+    """Raw boto3 transfers of the bytes a save produces (staged once to local disk, untimed)."""
+    import tempfile
+
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    from uc_checkpoint.volumes.s3 import DEFAULT_MAX_CONCURRENCY, DEFAULT_MULTIPART_THRESHOLD, DEFAULT_PART_SIZE
+
+    bucket, _, prefix = args.dest[5:].partition("/")
+    client = boto3.client("s3")
+    config = TransferConfig(multipart_threshold=DEFAULT_MULTIPART_THRESHOLD, multipart_chunksize=DEFAULT_PART_SIZE,
+                            max_concurrency=DEFAULT_MAX_CONCURRENCY)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("UC_CHECKPOINT_STAGING_DIR")) as tmp:
+        src = Path(tmp) / "src"
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(src)))
+        files = sorted(p for p in src.iterdir() if p.suffix == ".distcp")
+        nbytes = sum(p.stat().st_size for p in files)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: client.upload_file(str(p), bucket, f"{prefix}/{p.name}", Config=config), files))
+        up = time.perf_counter() - t0
+        if dist.is_initialized():
+            dist.barrier()
+        dst = Path(tmp) / "dst"
+        dst.mkdir()
+        _drop_page_cache()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: client.download_file(bucket, f"{prefix}/{p.name}", str(dst / p.name), Config=config), files))
+        down = time.perf_counter() - t0
+        for p in files:
+            assert (dst / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs after download"
+    return {"upload_s": up, "download_s": down, "file_bytes": nbytes, "verified": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.case", description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", required=True, choices=("uc", "fs", "fsspec", "s3tc", "boto3"))
+    p.add_argument("--dest", required=True, help="checkpoint location (path or URL)")
+    p.add_argument("--visible", help="the .metadata object/file on the volume itself (s3://... or a path)")
+    p.add_argument("--kind", default="gpt", choices=("gpt", "small"))
+    p.add_argument("--size-mb", type=int, default=256, help="checkpoint size in MiB (all ranks together)")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+
+    mesh = None
+    rank = 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = state.build(args.kind, args.size_mb << 20, mesh)
+    result: dict[str, Any] = {
+        "case": args.case, "kind": args.kind, "size_mb": args.size_mb,
+        "ranks": dist.get_world_size() if dist.is_initialized() else 1,
+        "rank_bytes": state.nbytes(sd), "memcopy_s": _timed_copy(sd),
+    }
+    if args.case == "boto3":
+        result.update(run_boto3(args, sd, rank))
+    else:
+        result.update(run_save_load(args, sd, mesh, rank))
+    if dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        dist.destroy_process_group()
+    else:
+        gathered = [result]
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(gathered, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

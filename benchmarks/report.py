@@ -1,0 +1,198 @@
+"""Turns the benchmark's raw results into ``docs/benchmarks.md`` (medians, the targets' ratios, the
+machine) and PNG plots beside it. Used by :mod:`benchmarks.run`; also runnable on a saved JSON::
+
+    python -m benchmarks.report docs/benchmarks.json docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+# Hand-written reading of the figures (which targets hold, which do not and why), appended to the report.
+NOTES = Path(__file__).with_name("report_notes.md")
+
+# (label, target, how the ratio is computed) — see docs/benchmarks.md for the definitions.
+TARGETS = (
+    ("async_save blocked time vs an in-memory copy", "<= 1.5x"),
+    ("time to .metadata: FileSystemWriter on s3fs / ours to S3", ">= 3x"),
+    ("upload throughput vs raw boto3", ">= 0.85x"),
+    ("download (load) throughput vs raw boto3", ">= 0.85x"),
+    ("dcp.load: FileSystemReader on s3fs / ours from S3", ">= 3x"),
+    ("peak extra memory of a save / checkpoint share", "<= 0.25"),
+    ("vs s3torchconnector (save, load)", ">= 1x"),
+)
+
+
+def _run_rows(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[dict[str, float]]]:
+    """One row per run (all ranks folded: slowest rank's times, rank 0's publish time, the biggest
+    process's memory), grouped by (kind, ranks, case)."""
+    by_run: dict[tuple[str, int, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        by_run[(r["kind"], r["ranks"], r["name"], r["repeat"])].append(r)
+    rows: dict[tuple[str, int, str], list[dict[str, float]]] = defaultdict(list)
+    for (kind, ranks, name, _rep), rs in by_run.items():
+        row: dict[str, float] = {"bytes": sum(r["rank_bytes"] for r in rs),
+                                 "rank_bytes": max(r["rank_bytes"] for r in rs),
+                                 "memcopy_s": max(r["memcopy_s"] for r in rs)}
+        for key in ("blocked_s", "load_s", "upload_s", "download_s", "sync_save_s", "async_done_s"):
+            vals = [r[key] for r in rs if key in r]
+            if vals:
+                row[key] = max(vals)
+        for key in ("sync_peak_extra_bytes", "async_peak_extra_bytes", "load_peak_extra_bytes"):
+            vals = [r[key] for r in rs if key in r]
+            if vals:
+                row[key] = max(vals)
+        pub = [r["publish_s"] for r in rs if "publish_s" in r]
+        if pub:
+            row["publish_s"] = pub[0]
+        rows[(kind, ranks, name)].append(row)
+    return rows
+
+
+def medians(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, float]]:
+    """Median over repeats of every measure, per (kind, ranks, case)."""
+    out = {}
+    for key, rows in _run_rows(results).items():
+        fields = set().union(*rows)
+        out[key] = {f: statistics.median(r[f] for r in rows if f in r) for f in fields}
+        out[key]["n"] = len(rows)
+    return out
+
+
+def target_ratios(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int) -> list[tuple[str, str, str, bool | None]]:
+    """(target, wanted, measured, met) for one (kind, ranks); measured is '-' when a case is missing."""
+    def get(name: str) -> dict[str, float] | None:
+        return m.get((kind, ranks, name))
+
+    uc, fsfuse, raw, s3tc = get("uc-s3"), get("fs-s3fs"), get("boto3"), get("s3tc")
+    rows: list[tuple[str, str, str, bool | None]] = []
+
+    def add(i: int, value: float | None, good: bool | None, fmt: str = "{:.2f}x") -> None:
+        label, want = TARGETS[i]
+        rows.append((label, want, "-" if value is None else fmt.format(value), good if value is not None else None))
+
+    v = uc["blocked_s"] / uc["memcopy_s"] if uc else None
+    add(0, v, v is not None and v <= 1.5)
+    v = fsfuse["publish_s"] / uc["publish_s"] if uc and fsfuse else None
+    add(1, v, v is not None and v >= 3)
+    v = raw["upload_s"] / (uc["publish_s"] - uc["blocked_s"]) if uc and raw else None
+    add(2, v, v is not None and v >= 0.85)
+    v = raw["download_s"] / uc["load_s"] if uc and raw else None
+    add(3, v, v is not None and v >= 0.85)
+    v = fsfuse["load_s"] / uc["load_s"] if uc and fsfuse else None
+    add(4, v, v is not None and v >= 3)
+    v = uc["sync_peak_extra_bytes"] / uc["rank_bytes"] if uc else None
+    add(5, v, v is not None and v <= 0.25, "{:.3f}")
+    if uc and s3tc:
+        save, load = s3tc["publish_s"] / uc["publish_s"], s3tc["load_s"] / uc["load_s"]
+        label, want = TARGETS[6]
+        rows.append((label, want, f"{save:.2f}x, {load:.2f}x", save >= 1 and load >= 1))
+    else:
+        add(6, None, None)
+    return rows
+
+
+def _fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if x is None else f"{x / scale:.{digits}f}"
+
+
+def _plot(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [n for (k, r, n) in m if k == kind and r == ranks and n != "boto3"]
+    if not names:
+        return False
+    measures = (("blocked_s", "blocked in async_save"), ("publish_s", "until .metadata on the volume"),
+                ("load_s", "dcp.load"))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(measures)
+    for i, (key, label) in enumerate(measures):
+        ax.bar([x + i * width for x in range(len(names))], [m[(kind, ranks, n)].get(key, 0.0) for n in names],
+               width, label=label)
+    ax.set_xticks([x + width for x in range(len(names))], names, rotation=20)
+    ax.set_ylabel("seconds (median)")
+    size = m[(kind, ranks, names[0])]["bytes"] / MIB
+    ax.set_title(f"{kind} state dict, {size:.0f} MiB, {ranks} rank{'s' if ranks > 1 else ''}")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write_report(raw: dict[str, Any], path: Path) -> None:
+    """Write the markdown report (and its plots under ``<path stem>/``)."""
+    m = medians(raw["results"])
+    mach = raw["machine"]
+    a = raw["args"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `./scripts/bench.sh` (`python -m benchmarks.run`); do not edit by hand. Raw runs: "
+        f"`{path.with_suffix('.json').name}`. Definitions and how to read this: the docstrings of "
+        "`benchmarks/run.py` and `benchmarks/case.py`.",
+        "",
+        f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, Linux {mach['kernel']}; "
+        f"Python {mach['python']}, torch {mach['torch']}, boto3 {mach['boto3']}, moto {mach['moto']} (S3 server "
+        f"on 127.0.0.1, objects in memory, sharing the cores with the client), {mach['s3fs_fuse']}. "
+        f"Run {mach['date']}: {a['size_mb']} MiB checkpoints, kinds {', '.join(a['kinds'])}, ranks "
+        f"{', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
+        "",
+    ]
+    if raw.get("skipped_cases"):
+        lines += [f"Not run (package does not import here): {', '.join(raw['skipped_cases'])}.", ""]
+    combos = sorted({(k, r) for (k, r, _n) in m})
+    for kind, ranks in combos:
+        lines += [f"## {kind}, {ranks} rank{'s' if ranks > 1 else ''}", ""]
+        lines += ["| case | blocked s | to .metadata s | load s | sync-save peak extra MiB | async peak extra MiB | "
+                  "MB/s to .metadata | MB/s load |", "|---|---|---|---|---|---|---|---|"]
+        for (k, r, name), row in sorted(m.items(), key=lambda kv: kv[0][2]):
+            if (k, r) != (kind, ranks):
+                continue
+            size = row["bytes"]
+            if name == "boto3":
+                lines.append(f"| boto3 (raw upload / download) | - | {_fmt(row['upload_s'])} | {_fmt(row['download_s'])} "
+                             f"| - | - | {size / 1e6 / row['upload_s']:.0f} | {size / 1e6 / row['download_s']:.0f} |")
+                continue
+            lines.append(
+                f"| {name} | {_fmt(row.get('blocked_s'), digits=3)} | {_fmt(row.get('publish_s'))} | {_fmt(row.get('load_s'))} "
+                f"| {_fmt(row.get('sync_peak_extra_bytes'), MIB, 0)} | {_fmt(row.get('async_peak_extra_bytes'), MIB, 0)} "
+                f"| {size / 1e6 / row['publish_s']:.0f} | {size / 1e6 / row['load_s']:.0f} |"
+            )
+        memcopy = statistics.median(row["memcopy_s"] for (k, r, _), row in m.items() if (k, r) == (kind, ranks))
+        lines += ["", f"In-memory copy of the state dict (per rank): {memcopy:.3f} s. Checkpoint size: "
+                  f"{next(row['bytes'] for (k, r, _), row in m.items() if (k, r) == (kind, ranks)) / MIB:.0f} MiB.", ""]
+        lines += ["| target | wanted | measured | met |", "|---|---|---|---|"]
+        for label, want, got, ok in target_ratios(m, kind, ranks):
+            lines.append(f"| {label} | {want} | {got} | {'-' if ok is None else ('yes' if ok else 'NO')} |")
+        png = path.parent / path.stem / f"{kind}-{ranks}rank.png"
+        if _plot(m, kind, ranks, png):
+            lines += ["", f"![{kind}, {ranks} ranks]({path.stem}/{png.name})"]
+        lines.append("")
+    notes = NOTES.read_text().strip() if NOTES.exists() else ""
+    if notes:
+        lines += [notes, ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    raw = json.loads(Path(argv[0]).read_text())
+    write_report(raw, Path(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The checkpoint benchmark: uc_checkpoint against writing DCP shards straight onto a FUSE mount of the
+store, and against the store's own limit, side by side in one run; writes the report.
+
+    ./scripts/bench.sh                      # = python -m benchmarks.run (256 MiB, 1 and 2 ranks, 3 repeats)
+    ./scripts/bench.sh --size-mb 1024 --kinds gpt small --repeats 5
+
+It starts moto's S3 server on 127.0.0.1, mounts one of its buckets with s3fs-fuse (the stand-in for a
+cloud volume's FUSE mount) and a local directory with bindfs (a local FUSE passthrough), then runs
+every case of :mod:`benchmarks.case` in a fresh process (or torchrun job), the cases interleaved
+repeat by repeat so that drift on the machine hits them alike:
+
+==================  ===========================================================================
+``uc-s3``           UCVolumeWriter/Reader to ``s3://`` (boto3)
+``uc-s3fs``         UCVolumeWriter/Reader to the s3fs mount
+``fs-s3fs``         DCP's FileSystemWriter/Reader directly on the s3fs mount (the baseline)
+``uc-bindfs``       UCVolumeWriter/Reader to the bindfs mount
+``fs-bindfs``       FileSystemWriter/Reader on the bindfs mount
+``fs-local``        FileSystemWriter/Reader on local disk (upper bound)
+``fsspec-s3``       DCP's FsspecWriter/Reader to ``s3://`` (when the ``s3fs`` Python package imports)
+``s3tc``            s3torchconnector's S3StorageWriter/Reader (when it imports)
+``boto3``           raw boto3 upload/download of the same bytes (the store's limit)
+==================  ===========================================================================
+
+Results: ``docs/benchmarks.json`` (every run), ``docs/benchmarks.md`` (medians, the targets' ratios,
+the machine) and ``docs/benchmarks/*.png``. Needs root for the FUSE mounts (s3fs and bindfs are
+installed with apt-get when missing) and for dropping the page cache before loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("benchmarks.run")
+REPO = Path(__file__).resolve().parent.parent
+FUSE_BUCKET = "fusebench"
+DIRECT_BUCKET = "directbench"
+
+CASES = ("uc-s3", "uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs", "fs-local", "fsspec-s3", "s3tc", "boto3")
+
+
+def _importable(module: str) -> bool:
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, timeout=120)
+    return proc.returncode == 0
+
+
+def case_plan(name: str, run_id: str, dirs: dict[str, Path]) -> tuple[str, str, str]:
+    """(case kind for benchmarks.case, --dest, --visible) of one named case."""
+    if name == "uc-s3":
+        return "uc", f"s3://{DIRECT_BUCKET}/{run_id}/uc", f"s3://{DIRECT_BUCKET}/{run_id}/uc/.metadata"
+    if name == "fsspec-s3":
+        return "fsspec", f"s3://{DIRECT_BUCKET}/{run_id}/fsspec", f"s3://{DIRECT_BUCKET}/{run_id}/fsspec/.metadata"
+    if name == "s3tc":
+        return "s3tc", f"s3://{DIRECT_BUCKET}/{run_id}/s3tc", f"s3://{DIRECT_BUCKET}/{run_id}/s3tc/.metadata"
+    if name == "boto3":
+        return "boto3", f"s3://{DIRECT_BUCKET}/{run_id}/raw", ""
+    kind, where = name.split("-")
+    sub = f"{run_id}/{kind}"
+    if where == "s3fs":
+        return kind, str(dirs["s3fs"] / sub), f"s3://{FUSE_BUCKET}/{sub}/.metadata"
+    if where == "bindfs":
+        return kind, str(dirs["bindfs"] / sub), str(dirs["bind_src"] / sub / ".metadata")
+    return kind, str(dirs["local"] / sub), str(dirs["local"] / sub / ".metadata")
+
+
+def run_case(name: str, ranks: int, kind: str, size_mb: int, dirs: dict[str, Path], env: dict[str, str],
+             timeout: float) -> list[dict[str, Any]]:
+    """Run one case in a fresh process or torchrun job; returns one result dict per rank."""
+    run_id = uuid.uuid4().hex[:10]
+    case, dest, visible = case_plan(name, run_id, dirs)
+    out = dirs["work"] / f"result-{run_id}.json"
+    args = ["--case", case, "--dest", dest, "--kind", kind, "--size-mb", str(size_mb), "--out", str(out),
+            "--timeout", str(timeout)]
+    if visible:
+        args += ["--visible", visible]
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "benchmarks.case", *args]
+    else:
+        torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", "-m", "benchmarks.case", *args]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 120)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"benchmark case {name} ({ranks} ranks) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    results = json.loads(out.read_text())
+    for r in results:
+        r["name"] = name
+        r["wall_s"] = time.perf_counter() - started
+    _clean_case(name, run_id, dest, dirs, env)
+    out.unlink()
+    return results
+
+
+def _clean_case(name: str, run_id: str, dest: str, dirs: dict[str, Path], env: dict[str, str]) -> None:
+    """Delete what a case wrote (moto holds objects in memory; disks are small)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+    for bucket in (DIRECT_BUCKET, FUSE_BUCKET):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{run_id}/"):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+    for root in (dirs["bind_src"], dirs["local"]):
+        shutil.rmtree(root / run_id, ignore_errors=True)
+
+
+def machine() -> dict[str, Any]:
+    """What the report says about where it ran."""
+    import boto3
+    import moto
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    s3fs = subprocess.run(["s3fs", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1), "kernel": platform.release(), "python": platform.python_version(),
+        "torch": torch.__version__, "boto3": boto3.__version__, "moto": moto.__version__, "s3fs_fuse": s3fs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mb", type=int, default=256, help="checkpoint size in MiB (default 256)")
+    p.add_argument("--kinds", nargs="+", default=["gpt"], choices=("gpt", "small"),
+                   help="state-dict shapes: gpt (model + AdamW), small (many 16 KiB tensors)")
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes (default 1 2)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take")
+    p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument("--workdir", help="scratch directory (default: a new temp dir, removed afterwards)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    from .mounts import bindfs_mount, ensure_fuse_tools, make_bucket, moto_server, s3fs_mount
+    from .report import write_report
+
+    cases = [c for c in args.cases if not (c == "fsspec-s3" and not _importable("s3fs"))
+             and not (c == "s3tc" and not _importable("s3torchconnector"))]
+    skipped = sorted(set(args.cases) - set(cases))
+    if skipped:
+        log.info("skipping %s: the package does not import in this environment", ", ".join(skipped))
+    ensure_fuse_tools()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="uc-bench-"))
+    results: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        url = stack.enter_context(moto_server())
+        make_bucket(url, FUSE_BUCKET)
+        make_bucket(url, DIRECT_BUCKET)
+        dirs = {"work": work, "local": work / "local", "bind_src": work / "bind-src", "staging": work / "staging"}
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
+        dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
+        env = {**os.environ, "AWS_ENDPOINT_URL": url, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+               "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]), "PYTHONWARNINGS": "ignore"}
+        for repeat in range(args.repeats):
+            for kind in args.kinds:
+                for ranks in args.ranks:
+                    for name in cases:
+                        log.info("repeat %d/%d: %s, %s %d MiB, %d rank(s)", repeat + 1, args.repeats, name, kind,
+                                 args.size_mb, ranks)
+                        for r in run_case(name, ranks, kind, args.size_mb, dirs, env, args.timeout):
+                            r["repeat"] = repeat
+                            results.append(r)
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    report = Path(args.report)
+    raw = {"machine": machine(), "args": vars(args), "skipped_cases": skipped, "results": results}
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+    write_report(raw, report)
+    log.info("wrote %s", report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The checkpoint benchmark's cases (benchmarks/run.py, benchmarks/case.py) as pytest-benchmark
+tests: each case saves and loads a GPT-style state dict in a fresh process and verifies what it
+loaded. In the default test run (``--benchmark-disable``) each runs once at 8 MiB, so the harness
+cannot rot; ``./scripts/test.sh benchmarks/test_checkpoint_io.py --benchmark-enable --benchmark-only``
+times them at ``UC_BENCH_MB`` (default 64). The full comparison with its report is
+``./scripts/bench.sh``.
+
+FUSE cases need root and /dev/fuse (s3fs and bindfs are apt-installed when missing); without them
+they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+
+from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, REPO, run_case
+
+QUICK = bool(os.environ.get("UC_BENCH_QUICK"))
+MB = 8 if QUICK else int(os.environ.get("UC_BENCH_MB", "64"))
+FUSE_CASES = ("uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs")
+CASES = ("uc-s3", "fs-local", "s3tc", "boto3", *FUSE_CASES)
+
+
+def _fuse_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "FUSE mounts need root"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    from benchmarks.mounts import ensure_fuse_tools
+
+    try:
+        ensure_fuse_tools()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, dict, str | None]]:
+    """moto, the two buckets and (when possible) the s3fs and bindfs mounts, as benchmarks.run sets
+    them up: (dirs, env, why FUSE cases are skipped or None)."""
+    from benchmarks.mounts import bindfs_mount, make_bucket, moto_server, s3fs_mount
+
+    work = tmp_path_factory.mktemp("bench")
+    dirs = {"work": work, "local": work / "local", "bind_src": work / "bind-src", "staging": work / "staging"}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        url = stack.enter_context(moto_server())
+        make_bucket(url, FUSE_BUCKET)
+        make_bucket(url, DIRECT_BUCKET)
+        no_fuse = _fuse_problem()
+        if no_fuse is None:
+            dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
+            dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
+        env = {**os.environ, "AWS_ENDPOINT_URL": url, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+               "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]), "PYTHONWARNINGS": "ignore"}
+        yield dirs, env, no_fuse
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.benchmark(group="checkpoint-save-load")
+def test_case_saves_loads_and_verifies(benchmark, bench_env, name: str) -> None:
+    dirs, env, no_fuse = bench_env
+    if name in FUSE_CASES and no_fuse:
+        pytest.skip(no_fuse)
+    if name == "s3tc":
+        pytest.importorskip("s3torchconnector.dcp", reason="s3torchconnector[dcp] is not installed (bench extra)")
+    runs: list[list[dict]] = []
+    benchmark.pedantic(lambda: runs.append(run_case(name, 1, "gpt", MB, dirs, env, 600)), rounds=1 if QUICK else 3,
+                       iterations=1)
+    for results in runs:
+        (result,) = results
+        assert result["verified"] is True
+        assert result["rank_bytes"] > (MB << 20) // 2
+        if name == "boto3":
+            assert result["upload_s"] > 0 and result["download_s"] > 0
+        else:
+            # Ordering the case measures must respect: async_save returns before .metadata exists.
+            assert 0 < result["blocked_s"] <= result["publish_s"] <= result["async_done_s"] + 0.05
+            assert result["load_s"] > 0
+    last = runs[-1][0]
+    benchmark.extra_info.update({k: v for k, v in last.items() if isinstance(v, (int, float))})

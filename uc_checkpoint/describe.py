@@ -1,0 +1,173 @@
+"""What is under a checkpoint root and inside one checkpoint, without loading tensors: the
+``uc-checkpoint ls`` and ``inspect`` verbs, and the completeness check ``CheckpointManager.latest()``
+uses. Works on every volume kind (local/FUSE paths, ``s3://``, fsspec URLs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .checkpoints import list_checkpoints
+from .errors import UCCheckpointError, VolumeError
+from .layout import manifest_of, manifest_records, referenced_files
+from .reader import UCVolumeReader
+from .volumes import LocalVolume, Volume, open_volume
+
+logger = logging.getLogger(__name__)
+
+_RANK_OF_FILE = re.compile(r"^__(\d+)_")
+
+
+def missing_or_short(location: Volume, metadata: Metadata, files: dict[str, int]) -> str | None:
+    """Why a published checkpoint cannot load, judged from a listing (``files``: name -> bytes):
+    a data file its metadata references is missing or has another size than recorded. None when
+    every file is there whole (checksums are :mod:`uc_checkpoint.verify`'s job)."""
+    exact = {name: rec.size for name, rec in manifest_records(manifest_of(metadata)).items()}
+    for name, least in referenced_files(metadata).items():
+        if name not in files:
+            return f"{location.describe(name)} is missing"
+        want = exact.get(name)
+        if (want is not None and files[name] != want) or files[name] < least:
+            return f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
+    return None
+
+
+@dataclass
+class CheckpointSummary:
+    """One step location under a root, as ``uc-checkpoint ls`` shows it.
+
+    Attributes:
+        step: the training step (from the ``step_NNNNNNNN`` name).
+        name: the location's name under the root.
+        location: its full path or URL.
+        state: ``"complete"`` (published, every data file there with its size), ``"incomplete"``
+            (no ``.metadata``: a save in progress or one that failed) or ``"broken"`` (published but
+            a file is missing, short or the metadata unreadable; see ``problem``).
+        bytes: total size of the files at the location, in bytes.
+        files: number of data files at the location.
+        age_s: seconds since the newest file there was written (None when the store has no times).
+        problem: what is wrong with a broken checkpoint, else None.
+    """
+
+    step: int
+    name: str
+    location: str
+    state: str
+    bytes: int
+    files: int
+    age_s: float | None
+    problem: str | None = None
+
+
+def list_root(root: str | Volume) -> list[CheckpointSummary]:
+    """Every step location under ``root``, oldest first.
+
+    Raises:
+        VolumeError: a local root is missing or not a directory.
+        VolumeError / TransferError: the root cannot be listed.
+    """
+    volume = root if isinstance(root, Volume) else open_volume(root)
+    if isinstance(volume, LocalVolume) and not volume.root.is_dir():
+        raise VolumeError(f"checkpoint root {volume.url} " + ("is not a directory" if volume.root.exists() else "does not exist"))
+    now = time.time()
+    out = []
+    for step, name, published in list_checkpoints(volume):
+        location = volume.child(name)
+        files = {n: s for n, s in location.list_files().items() if s >= 0}
+        mtimes = location.list_mtimes()
+        problem = None
+        if published:
+            try:
+                problem = missing_or_short(location, UCVolumeReader(location).load_metadata(), files)
+            except UCCheckpointError as exc:
+                problem = str(exc)
+        state = "incomplete" if not published else ("broken" if problem else "complete")
+        out.append(CheckpointSummary(
+            step=step, name=name, location=location.url, state=state, bytes=sum(files.values()),
+            files=sum(1 for n in files if n.endswith(".distcp")),
+            age_s=(now - max(mtimes.values())) if mtimes else None, problem=problem,
+        ))
+    return out
+
+
+def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> dict[str, Any]:
+    """The contents of one published checkpoint, from its ``.metadata`` (and, with ``data_state``,
+    the data-pipeline state item, which is read from its data file).
+
+    Returns ``{"location", "save_id", "saved_by", "items": [{"key", "kind": "tensor"|"bytes",
+    "dtype", "shape", "bytes", "chunks"}], "files": {rank: [{"name", "bytes"}]}, "total_bytes",
+    "data_pipeline": {key: state dict} }`` (JSON-serialisable).
+
+    Raises:
+        CheckpointNotFoundError: nothing is published at ``location``.
+        CorruptCheckpointError: the ``.metadata`` is unreadable or unsafe.
+    """
+    volume = location if isinstance(location, Volume) else open_volume(location)
+    metadata = UCVolumeReader(volume).load_metadata()
+    items = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            numel = 1
+            for d in md.size:
+                numel *= d
+            itemsize = md.properties.dtype.itemsize if hasattr(md.properties.dtype, "itemsize") else 0
+            items.append({"key": key, "kind": "tensor", "dtype": str(md.properties.dtype).replace("torch.", ""),
+                          "shape": list(md.size), "bytes": numel * itemsize, "chunks": len(md.chunks)})
+        elif isinstance(md, BytesStorageMetadata):
+            items.append({"key": key, "kind": "bytes", "dtype": None, "shape": None, "bytes": None, "chunks": 1})
+    manifest = manifest_of(metadata) or {}
+    records = manifest_records(manifest)
+    sizes = {name: rec.size for name, rec in records.items()}
+    if not sizes:  # stock FileSystemWriter checkpoints carry no manifest: list the files instead
+        listing = volume.list_files()
+        sizes = {name: listing.get(name, -1) for name in referenced_files(metadata)}
+    files: dict[str, list[dict[str, Any]]] = {}
+    for name in sorted(sizes):
+        m = _RANK_OF_FILE.match(name)
+        files.setdefault(m.group(1) if m else "?", []).append({"name": name, "bytes": sizes[name]})
+    out: dict[str, Any] = {
+        "location": volume.url, "save_id": manifest.get("save_id"), "saved_by": manifest.get("saved_by"),
+        "items": items, "files": files, "total_bytes": sum(s for s in sizes.values() if s > 0),
+    }
+    if data_state:
+        out["data_pipeline"] = _data_pipeline_states(volume, items)
+    return out
+
+
+def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The data tracker's saved states (``TrackerStateful`` stores ``<key>.global_state``, a JSON
+    text), summarised; an unreadable one is reported, not raised."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = [i["key"] for i in items if i["kind"] == "bytes" and i["key"].endswith("global_state")]
+    out: dict[str, Any] = {}
+    for key in keys:
+        target: dict[str, Any] = {key: None}
+        try:
+            dcp.load(target, storage_reader=UCVolumeReader(volume), no_dist=True)
+            state = json.loads(target[key])
+            remaining = sum(end - start for _shard, start, end in state.get("remaining", []))
+            out[key] = {
+                "epoch": state.get("epoch"), "seed": state.get("seed"),
+                "samples_consumed_in_epoch": state.get("samples_consumed_in_epoch"),
+                "samples_remaining_in_epoch": remaining, "num_shards": state.get("num_shards"),
+                "shards_with_remaining_work": len({s for s, _a, _b in state.get("remaining", [])}),
+                "fingerprint": state.get("fingerprint"),
+            }
+        except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in a BaseException; inspect reports them
+            out[key] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    return out
+
+
+def summary_dict(s: CheckpointSummary) -> dict[str, Any]:
+    """A :class:`CheckpointSummary` as a JSON-serialisable dict."""
+    return asdict(s)
+
+
+__all__ = ["CheckpointSummary", "describe_checkpoint", "list_root", "missing_or_short", "summary_dict"]
