@@ -283,7 +283,9 @@ class UCVolumeWriter(FileSystemWriter):
         if aborted:
             logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
         marker = {"save_id": self.save_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        volume.publish_bytes(self._marker_name(), json.dumps(marker).encode(), overwrite=False)
+        # The name carries this save's random token, so a plain PUT cannot clobber another marker
+        # (a conditional one would fail on S3-compatible stores without If-None-Match support).
+        volume.publish_bytes(self._marker_name(), json.dumps(marker).encode(), overwrite=True)
 
     def _marker_name(self) -> str:
         return layout.save_marker_name(self._save_token, None if self.use_collectives else self._rank())
