@@ -7,6 +7,7 @@ machine) and PNG plots beside it. Used by :mod:`benchmarks.run`; also runnable o
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -147,7 +148,7 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, Linux {mach['kernel']}; "
         f"Python {mach['python']}, torch {mach['torch']}, boto3 {mach['boto3']}, moto {mach['moto']} (S3 server "
         f"on 127.0.0.1, objects in memory, sharing the cores with the client), {mach['s3fs_fuse']}. "
-        f"Run {mach['date']}: {a['size_mb']} MiB checkpoints, kinds {', '.join(a['kinds'])}, ranks "
+        f"Run {mach['date']}: checkpoints of about {a['size_mb']} MiB requested (actual sizes below), kinds {', '.join(a['kinds'])}, ranks "
         f"{', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
         "",
     ]
@@ -182,8 +183,13 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
             lines += ["", f"![{kind}, {ranks} ranks]({path.stem}/{png.name})"]
         lines.append("")
     notes = NOTES.read_text().strip() if NOTES.exists() else ""
-    if notes:
-        lines += [notes, ""]
+    # The notes read one particular run's figures: attach them only to that run's report.
+    tag = re.match(r"<!-- run: (.*?) -->", notes)
+    if notes and tag and tag.group(1) == mach["date"]:
+        lines += [notes[tag.end():].strip(), ""]
+    elif notes:
+        lines += [f"(The hand-written reading in `benchmarks/report_notes.md` describes the run of "
+                  f"{tag.group(1) if tag else 'another date'}, not this one.)", ""]
     path.write_text("\n".join(lines))
 
 

@@ -49,7 +49,12 @@ def _ls(args: argparse.Namespace) -> int:
         _print_json([summary_dict(r) for r in rows])
         return 0
     if not rows:
-        print(f"no checkpoints under {args.root}")
+        from .volumes import open_volume
+
+        hint = ""
+        if ".metadata" in open_volume(args.root).list_files():
+            hint = f" ({args.root} is itself one checkpoint: try `uc-checkpoint inspect {args.root}`)"
+        print(f"no step_* checkpoints under {args.root}{hint}")
         return 0
     print(f"{'step':>10}  {'state':10}  {'size':>10}  {'files':>5}  {'age':>6}  location")
     for r in rows:
@@ -103,14 +108,16 @@ def _verify(args: argparse.Namespace) -> int:
             bar.close()
     if args.json:
         _print_json({"location": report.location, "ok": report.ok, "files_checked": report.files_checked,
-                     "bytes_checked": report.bytes_checked, "checksums": report.checksums,
-                     "problems": report.problems})
+                     "files_checksummed": report.files_checksummed, "bytes_checked": report.bytes_checked,
+                     "checksums": report.checksums, "problems": report.problems})
     else:
         for problem in report.problems:
             print(f"problem: {problem}", file=sys.stderr)
-        what = "checksums verified" if report.checksums else "sizes only: no manifest, so no checksums"
-        verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
-        print(f"{report.location}: {verdict}; {report.files_checked} files, {_size(report.bytes_checked)} read, {what}")
+        n = len(report.problems)
+        verdict = "OK" if report.ok else f"FAILED ({n} problem{'' if n == 1 else 's'})"
+        what = (f"{report.files_checksummed} checksummed ({_size(report.bytes_checked)} read)" if report.checksums
+                else "sizes only: no manifest, so no checksums")
+        print(f"{report.location}: {verdict}; {report.files_checked} data files checked, {what}")
     return 0 if report.ok else 1
 
 
@@ -154,22 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="uc-checkpoint", description="Staged, crash-safe DCP checkpoints on volumes")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log progress (INFO) to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    ls = sub.add_parser("ls", help="the checkpoints under a root: step, state, size, files, age")
+    ls = sub.add_parser("ls", parents=[common], help="the checkpoints under a root: step, state, size, files, age")
     ls.add_argument("root", help="checkpoint root: path, s3://bucket/prefix or fsspec URL")
     ls.add_argument("--json", action="store_true", help="print JSON")
 
-    ins = sub.add_parser("inspect", help="one checkpoint's keys (dtype, shape, size), files per rank, data-pipeline state")
+    ins = sub.add_parser("inspect", parents=[common], help="one checkpoint's keys (dtype, shape, size), files per rank, data-pipeline state")
     ins.add_argument("checkpoint", help="checkpoint location: path or URL")
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.add_argument("--no-data-state", action="store_true", help="do not read the data-pipeline state item")
 
-    ver = sub.add_parser("verify", help="check every file of a checkpoint against its manifest (exit 1 on a problem)")
+    ver = sub.add_parser("verify", parents=[common], help="check every file of a checkpoint against its manifest (exit 1 on a problem)")
     ver.add_argument("checkpoint", help="checkpoint location: path or URL")
     ver.add_argument("--json", action="store_true", help="print JSON")
 
-    gc = sub.add_parser("gc", help="delete what failed saves left under a checkpoint root (older than a grace period)")
+    gc = sub.add_parser("gc", parents=[common], help="delete what failed saves left under a checkpoint root (older than a grace period)")
     gc.add_argument("root", help="checkpoint root (or one checkpoint location): path, s3://bucket/prefix or fsspec URL")
     gc.add_argument("--grace-s", type=float, default=None,
                     help="spare anything younger than this many seconds (default 21600 = 6 h)")
@@ -205,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return demo_run.run_demo(args)
         return handlers[args.command](args)
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `| head`): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (UCCheckpointError, _UserError, ValueError, OSError) as exc:
         print(f"uc-checkpoint {args.command}: error: {exc}", file=sys.stderr)
         return 2

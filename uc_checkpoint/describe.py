@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -150,7 +151,9 @@ def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[s
     for key in keys:
         target: dict[str, Any] = {key: None}
         try:
-            dcp.load(target, storage_reader=UCVolumeReader(volume), no_dist=True)
+            with warnings.catch_warnings():  # "torch.distributed is disabled ...": a one-process read, as meant
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(target, storage_reader=UCVolumeReader(volume), no_dist=True)
             state = json.loads(target[key])
             remaining = sum(end - start for _shard, start, end in state.get("remaining", []))
             out[key] = {
@@ -161,6 +164,10 @@ def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[s
                 "fingerprint": state.get("fingerprint"),
             }
         except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in a BaseException; inspect reports them
+            failures = getattr(exc, "failures", None)
+            if failures:  # DCP's CheckpointException: name the rank's own error (e.g. the missing file)
+                inner = next(iter(failures.values()))
+                exc = inner[0] if isinstance(inner, tuple) else inner
             out[key] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     return out
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import UCCheckpointError
+from .errors import CheckpointNotFoundError, UCCheckpointError, VolumeError
 from .integrity import Digest, FileRecord
 from .layout import manifest_of, manifest_records, referenced_files
 from .reader import UCVolumeReader
@@ -27,7 +27,8 @@ class VerifyReport:
 
     Attributes:
         location: the checkpoint's path or URL.
-        files_checked: data files read in full and compared with the manifest.
+        files_checked: data files the metadata references that were checked (presence and size).
+        files_checksummed: of those, files read in full and compared with the manifest's CRC-32s.
         bytes_checked: bytes read.
         checksums: whether the checkpoint has a manifest (stock ``FileSystemWriter`` checkpoints do
             not: only their presence and sizes can be checked).
@@ -36,6 +37,7 @@ class VerifyReport:
 
     location: str
     files_checked: int = 0
+    files_checksummed: int = 0
     bytes_checked: int = 0
     checksums: bool = True
     problems: list[str] = field(default_factory=list)
@@ -70,16 +72,19 @@ def verify_checkpoint(
     """Check every file of the checkpoint at ``location`` (see the module docstring).
 
     ``progress`` is called with the number of bytes read after every range (for a progress bar).
-    Problems are collected in the report, not raised; only a location that cannot be opened at all
-    raises.
+    Problems with the checkpoint (a damaged ``.metadata``, missing, short or corrupt data files) are
+    collected in the report, not raised; a location with no checkpoint at all raises.
 
     Raises:
-        VolumeError: ``location`` is not a usable path or URL.
+        VolumeError: ``location`` is not a usable path or URL, or the store cannot be reached.
+        CheckpointNotFoundError: no ``.metadata`` is published at ``location``.
     """
     volume = location if isinstance(location, Volume) else open_volume(location)
     report = VerifyReport(location=volume.url)
     try:
         metadata = UCVolumeReader(volume).load_metadata()
+    except (CheckpointNotFoundError, VolumeError):
+        raise
     except UCCheckpointError as exc:
         report.problems.append(str(exc))
         return report
@@ -88,6 +93,7 @@ def verify_checkpoint(
     listing = volume.list_files()
     to_read: list[FileRecord] = []
     for name, least in sorted(referenced_files(metadata).items()):
+        report.files_checked += 1
         where = volume.describe(name)
         record = records.get(name)
         if name not in listing:
@@ -105,7 +111,7 @@ def verify_checkpoint(
                 problem = fut.result()
             except UCCheckpointError as exc:
                 problem = str(exc)
-            report.files_checked += 1
+            report.files_checksummed += 1
             report.bytes_checked += record.size
             if problem:
                 report.problems.append(problem)
