@@ -152,6 +152,8 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         f"{', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
         "",
     ]
+    if raw.get("note"):
+        lines += [raw["note"], ""]
     if raw.get("skipped_cases"):
         lines += [f"Not run (package does not import here): {', '.join(raw['skipped_cases'])}.", ""]
     combos = sorted({(k, r) for (k, r, _n) in m})

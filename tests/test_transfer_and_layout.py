@@ -104,3 +104,19 @@ def test_open_volume_schemes(tmp_path: Path) -> None:
     assert open_volume(f"file://{tmp_path}").url == str(tmp_path)
     with pytest.raises(VolumeError, match="gopher"):
         open_volume("gopher://host/x")
+
+
+def test_auto_file_size_cuts_a_rank_share_into_about_16_files_within_bounds(tmp_path, staging) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from uc_checkpoint import UCVolumeWriter
+    from uc_checkpoint.writer import MAX_AUTO_FILE_SIZE, MIN_AUTO_FILE_SIZE, auto_file_size
+
+    assert auto_file_size(0) == MIN_AUTO_FILE_SIZE == 16 << 20
+    assert auto_file_size(1 << 30) == 64 << 20  # 1 GiB -> 16 files of 64 MiB
+    assert auto_file_size(100 << 30) == MAX_AUTO_FILE_SIZE == 256 << 20
+    # A real save of 40 MiB in 10 tensors: 16 MiB files -> 3 data files (DCP balances items over them).
+    sd = {f"t{i}": torch.zeros(1 << 20) for i in range(10)}
+    dcp.save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"))
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 3
