@@ -76,7 +76,7 @@ def install_probe(phase: Phase, rng: random.Random) -> None:
     from uc_checkpoint.volumes.local import LocalVolume
 
     upload, publish, delete = LocalVolume.upload_file, LocalVolume.publish_bytes, LocalVolume.delete
-    prune = manager_mod.CheckpointManager.prune
+    prune = manager_mod.CheckpointManager._prune  # what both prune() and the post-publish housekeeping run
 
     def upload_file(self, *a, **kw):
         phase.set(UPLOAD)
@@ -103,7 +103,7 @@ def install_probe(phase: Phase, rng: random.Random) -> None:
     LocalVolume.upload_file = upload_file
     LocalVolume.publish_bytes = publish_bytes
     LocalVolume.delete = slow_delete
-    manager_mod.CheckpointManager.prune = probed_prune
+    manager_mod.CheckpointManager._prune = probed_prune
 
 
 def save_loop(root: str, staging: str, start_step: int, phase_file: str, confirmed_file: str | None,

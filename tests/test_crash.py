@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.checkpoints import list_checkpoints
-from uc_checkpoint.demo.run import _process_tree
+from uc_checkpoint.demo.run import kill_process_tree
 from uc_checkpoint.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume
 
@@ -244,22 +244,10 @@ def test_two_rank_manager_loop_killed(tmp_path: Path, capsys: pytest.CaptureFixt
                 assert time.monotonic() < deadline, "the 2-rank saving loop made no progress"
                 time.sleep(0.1)
             phase = crash_loop.Phase(tmp_path / "phase.0")
-
-            def kill() -> None:
-                for pid in _process_tree(proc.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-
-            hits[kill_when(phase, targets[n % len(targets)], rng, kill)] += 1
+            hits[kill_when(phase, targets[n % len(targets)], rng, lambda: kill_process_tree(proc.pid))] += 1
         finally:
             if proc.poll() is None:
-                for pid in _process_tree(proc.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_process_tree(proc.pid)
             proc.wait(60)
         confirmed = [int(x) for x in confirmed_file.read_text().split()]
         latest, _, _ = verify_root(root, 2, confirmed)

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``uc-checkpoint``; returns the process exit code."""
-    from .errors import UCCheckpointError
+    from .errors import UCCheckpointError, rank_error
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # DCP's CheckpointException is a BaseException carrying our errors
         if type(exc).__name__ != "CheckpointException":
             raise
-        inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
-        print(f"uc-checkpoint {args.command}: error: {inner[0] if inner else exc}", file=sys.stderr)
+        print(f"uc-checkpoint {args.command}: error: {rank_error(exc)}", file=sys.stderr)
         return 2
 
 

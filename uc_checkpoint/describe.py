@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .checkpoints import list_checkpoints
-from .errors import UCCheckpointError, VolumeError
+from .errors import UCCheckpointError, VolumeError, one_line
 from .layout import manifest_of, manifest_records, referenced_files
 from .reader import UCVolumeReader
 from .volumes import LocalVolume, Volume, open_volume
@@ -25,18 +25,25 @@ logger = logging.getLogger(__name__)
 _RANK_OF_FILE = re.compile(r"^__(\d+)_")
 
 
-def missing_or_short(location: Volume, metadata: Metadata, files: dict[str, int]) -> str | None:
-    """Why a published checkpoint cannot load, judged from a listing (``files``: name -> bytes):
-    a data file its metadata references is missing or has another size than recorded. None when
-    every file is there whole (checksums are :mod:`uc_checkpoint.verify`'s job)."""
+def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -> dict[str, str]:
+    """What is wrong with the data files a published checkpoint references, judged from a listing
+    (``files``: name -> bytes): ``{name: problem}`` for every file that is missing or has another
+    size than the manifest recorded (or less than its items need). Empty when every file is there
+    whole (checksums are :mod:`uc_checkpoint.verify`'s job)."""
     exact = {name: rec.size for name, rec in manifest_records(manifest_of(metadata)).items()}
-    for name, least in referenced_files(metadata).items():
-        if name not in files:
-            return f"{location.describe(name)} is missing"
+    out: dict[str, str] = {}
+    for name, least in sorted(referenced_files(metadata).items()):
         want = exact.get(name)
-        if (want is not None and files[name] != want) or files[name] < least:
-            return f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
-    return None
+        if name not in files:
+            out[name] = f"{location.describe(name)} is missing"
+        elif (want is not None and files[name] != want) or files[name] < least:
+            out[name] = f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
+    return out
+
+
+def missing_or_short(location: Volume, metadata: Metadata, files: dict[str, int]) -> str | None:
+    """The first of :func:`file_problems`, or None when the checkpoint's files are all there whole."""
+    return next(iter(file_problems(location, metadata, files).values()), None)
 
 
 @dataclass
@@ -164,11 +171,7 @@ def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[s
                 "fingerprint": state.get("fingerprint"),
             }
         except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in a BaseException; inspect reports them
-            failures = getattr(exc, "failures", None)
-            if failures:  # DCP's CheckpointException: name the rank's own error (e.g. the missing file)
-                inner = next(iter(failures.values()))
-                exc = inner[0] if isinstance(inner, tuple) else inner
-            out[key] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            out[key] = {"error": one_line(exc)}  # the rank's own error, e.g. the missing file
     return out
 
 
@@ -177,4 +180,4 @@ def summary_dict(s: CheckpointSummary) -> dict[str, Any]:
     return asdict(s)
 
 
-__all__ = ["CheckpointSummary", "describe_checkpoint", "list_root", "missing_or_short", "summary_dict"]
+__all__ = ["CheckpointSummary", "describe_checkpoint", "file_problems", "list_root", "missing_or_short", "summary_dict"]

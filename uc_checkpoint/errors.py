@@ -63,3 +63,19 @@ class UnsafeMetadataError(CorruptCheckpointError):
     DCP's metadata format, so it was not unpickled: loading it could run arbitrary code. The message
     names the file and the refused global. ``UCVolumeReader(..., allow_unsafe_metadata=True)`` trusts
     such a file."""
+
+
+def rank_error(exc: BaseException) -> BaseException:
+    """The first failing rank's own exception when ``exc`` is DCP's ``CheckpointException`` (it
+    stores ``(exception, traceback)`` per rank in ``failures``); otherwise ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    inner = next(iter(failures.values()))
+    return inner[0] if isinstance(inner, tuple) else inner
+
+
+def one_line(exc: BaseException) -> str:
+    """``rank_error(exc)`` as ``"Type: message"`` on one line, for logs, records and the CLI."""
+    inner = rank_error(exc)
+    return f"{type(inner).__name__}: {inner}".splitlines()[0]

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from . import layout
 from .checkpoints import checkpoint_name, list_checkpoints
-from .errors import CheckpointNotFoundError, TransferError, UCCheckpointError, VolumeError
+from .errors import CheckpointNotFoundError, TransferError, UCCheckpointError, VolumeError, one_line
 from .describe import missing_or_short
 from .layout import METADATA_NAME
 from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
@@ -262,7 +262,7 @@ class CheckpointManager:
                 fut = Future()
                 fut.set_result(metadata)
         except BaseException as exc:
-            self._record(SaveEvent(step, location.url, time.perf_counter() - started, error=_one_line(exc)), run_id)
+            self._record(SaveEvent(step, location.url, time.perf_counter() - started, error=one_line(exc)), run_id)
             raise
         blocked_s = time.perf_counter() - started
         # The caller's future completes after the housekeeping, so wait() covers it too.
@@ -306,10 +306,11 @@ class CheckpointManager:
         if fut.cancelled() or fut.exception() is not None:
             return  # nothing published: keep everything
         try:
+            infos = self._list_local()  # one listing serves the pointer and retention
             # The pointer names the newest checkpoint: saving an older step again must not move it back.
-            if self.write_pointer and step >= max((i.step for i in self._list_local() if i.published), default=step):
+            if self.write_pointer and step >= max((i.step for i in infos if i.published), default=step):
                 self.write_latest_pointer(step)
-            self.prune(protect={step})
+            self._prune(infos, protect={step})
         except Exception:  # noqa: BLE001 - housekeeping must not take training down
             logger.exception("checkpoint manager: housekeeping after publishing step %d failed", step)
 
@@ -341,9 +342,11 @@ class CheckpointManager:
         location, never a published one with missing files. Call on one rank only (the manager
         calls it on rank 0 after each publish).
         """
+        return self._prune(self._list_local(), protect)
+
+    def _prune(self, infos: list[CheckpointInfo], protect: set[int] | frozenset[int]) -> list[int]:
         if self.keep_last is None:
             return []
-        infos = self._list_local()
         published = [i for i in infos if i.published]
         keep = {i.step for i in published[-self.keep_last :]} | set(protect)
         if self._inflight is not None:
@@ -471,14 +474,6 @@ class CheckpointManager:
 __all__ = ["POINTER_NAME", "CheckpointInfo", "CheckpointManager"]
 
 
-def _one_line(exc: BaseException) -> str:
-    """A failed save's cause in one line (DCP wraps ours in CheckpointException per rank)."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        inner = next(iter(failures.values()))
-        exc = inner[0] if isinstance(inner, tuple) else inner
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
-
 
 def _save_event(step: int, location: str, blocked_s: float, started: float, fut: Future) -> SaveEvent:
     """The :class:`SaveEvent` of a save whose future ``fut`` has just completed."""
@@ -486,7 +481,7 @@ def _save_event(step: int, location: str, blocked_s: float, started: float, fut:
     if fut.cancelled():
         event.error = "cancelled"
     elif fut.exception() is not None:
-        event.error = _one_line(fut.exception())  # type: ignore[arg-type]
+        event.error = one_line(fut.exception())  # type: ignore[arg-type]
     else:
         event.publish_s = time.perf_counter() - started
         files = (layout.manifest_of(fut.result()) or {}).get("files")

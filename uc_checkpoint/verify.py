@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .errors import CheckpointNotFoundError, UCCheckpointError, VolumeError
 from .integrity import Digest, FileRecord
+from .describe import file_problems
 from .layout import manifest_of, manifest_records, referenced_files
 from .reader import UCVolumeReader
 from .volumes import Volume, open_volume
@@ -90,20 +91,11 @@ def verify_checkpoint(
         return report
     records = manifest_records(manifest_of(metadata))
     report.checksums = bool(records)
-    listing = volume.list_files()
-    to_read: list[FileRecord] = []
-    for name, least in sorted(referenced_files(metadata).items()):
-        report.files_checked += 1
-        where = volume.describe(name)
-        record = records.get(name)
-        if name not in listing:
-            report.problems.append(f"{where} is missing")
-        elif record is not None and listing[name] != record.size:
-            report.problems.append(f"{where} has {listing[name]} bytes, the checkpoint recorded {record.size}")
-        elif listing[name] < least:
-            report.problems.append(f"{where} has {listing[name]} bytes, the checkpoint needs at least {least}")
-        elif record is not None:
-            to_read.append(record)
+    referenced = referenced_files(metadata)
+    report.files_checked = len(referenced)
+    bad = file_problems(volume, metadata, volume.list_files())
+    report.problems.extend(bad.values())
+    to_read = [records[name] for name in sorted(referenced) if name not in bad and name in records]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="uc-verify") as pool:
         futures = {pool.submit(_check_file, volume, r, progress): r for r in to_read}
         for fut, record in futures.items():

@@ -130,13 +130,18 @@ def _process_tree(root: int) -> list[int]:
     return tree
 
 
-def kill_job(job: Job) -> None:
-    """SIGKILL torchrun and every rank at once, as a preemption would."""
-    for pid in _process_tree(job.proc.pid):
+def kill_process_tree(root: int) -> None:
+    """SIGKILL ``root`` and all its descendants at once (those already gone are skipped)."""
+    for pid in _process_tree(root):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_job(job: Job) -> None:
+    """SIGKILL torchrun and every rank at once, as a preemption would."""
+    kill_process_tree(job.proc.pid)
     job.proc.wait()
 
 
