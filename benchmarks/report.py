@@ -30,14 +30,19 @@ TARGETS = (
 )
 
 
-def _run_rows(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[dict[str, float]]]:
+# (state-dict kind, requested size in MiB, ranks): one section of the report.
+Combo = tuple[str, int, int]
+
+
+def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Combo, str], list[dict[str, float]]]:
     """One row per run (all ranks folded: slowest rank's times, rank 0's publish time, the biggest
-    process's memory), grouped by (kind, ranks, case)."""
-    by_run: dict[tuple[str, int, str, int], list[dict[str, Any]]] = defaultdict(list)
+    process's memory), grouped by (combo, case). ``default_mb``: the size of results that predate
+    per-kind sizes."""
+    by_run: dict[tuple[Combo, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in results:
-        by_run[(r["kind"], r["ranks"], r["name"], r["repeat"])].append(r)
-    rows: dict[tuple[str, int, str], list[dict[str, float]]] = defaultdict(list)
-    for (kind, ranks, name, _rep), rs in by_run.items():
+        by_run[((r["kind"], r.get("size_mb", default_mb), r["ranks"]), r["name"], r["repeat"])].append(r)
+    rows: dict[tuple[Combo, str], list[dict[str, float]]] = defaultdict(list)
+    for (combo, name, _rep), rs in by_run.items():
         row: dict[str, float] = {"bytes": sum(r["rank_bytes"] for r in rs),
                                  "rank_bytes": max(r["rank_bytes"] for r in rs),
                                  "memcopy_s": max(r["memcopy_s"] for r in rs)}
@@ -52,24 +57,24 @@ def _run_rows(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[
         pub = [r["publish_s"] for r in rs if "publish_s" in r]
         if pub:
             row["publish_s"] = pub[0]
-        rows[(kind, ranks, name)].append(row)
+        rows[(combo, name)].append(row)
     return rows
 
 
-def medians(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, float]]:
-    """Median over repeats of every measure, per (kind, ranks, case)."""
+def medians(results: list[dict[str, Any]], default_mb: int = 256) -> dict[tuple[Combo, str], dict[str, float]]:
+    """Median over repeats of every measure, per (combo, case)."""
     out = {}
-    for key, rows in _run_rows(results).items():
+    for key, rows in _run_rows(results, default_mb).items():
         fields = set().union(*rows)
         out[key] = {f: statistics.median(r[f] for r in rows if f in r) for f in fields}
         out[key]["n"] = len(rows)
     return out
 
 
-def target_ratios(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int) -> list[tuple[str, str, str, bool | None]]:
-    """(target, wanted, measured, met) for one (kind, ranks); measured is '-' when a case is missing."""
+def target_ratios(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list[tuple[str, str, str, bool | None]]:
+    """(target, wanted, measured, met) for one combo; measured is '-' when a case is missing."""
     def get(name: str) -> dict[str, float] | None:
-        return m.get((kind, ranks, name))
+        return m.get((combo, name))
 
     uc, fsfuse, raw, s3tc = get("uc-s3"), get("fs-s3fs"), get("boto3"), get("s3tc")
     rows: list[tuple[str, str, str, bool | None]] = []
@@ -103,7 +108,7 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if x is None else f"{x / scale:.{digits}f}"
 
 
-def _plot(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int, path: Path) -> bool:
+def _plot(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo, path: Path) -> bool:
     try:
         import matplotlib
 
@@ -111,7 +116,8 @@ def _plot(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [n for (k, r, n) in m if k == kind and r == ranks and n != "boto3"]
+    kind, _size_mb, ranks = combo
+    names = [n for (c, n) in m if c == combo and n != "boto3"]
     if not names:
         return False
     measures = (("blocked_s", "blocked in async_save"), ("publish_s", "until .metadata on the volume"),
@@ -119,11 +125,11 @@ def _plot(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(measures)
     for i, (key, label) in enumerate(measures):
-        ax.bar([x + i * width for x in range(len(names))], [m[(kind, ranks, n)].get(key, 0.0) for n in names],
+        ax.bar([x + i * width for x in range(len(names))], [m[(combo, n)].get(key, 0.0) for n in names],
                width, label=label)
     ax.set_xticks([x + width for x in range(len(names))], names, rotation=20)
     ax.set_ylabel("seconds (median)")
-    size = m[(kind, ranks, names[0])]["bytes"] / MIB
+    size = m[(combo, names[0])]["bytes"] / MIB
     ax.set_title(f"{kind} state dict, {size:.0f} MiB, {ranks} rank{'s' if ranks > 1 else ''}")
     ax.legend()
     fig.tight_layout()
@@ -135,7 +141,7 @@ def _plot(m: dict[tuple[str, int, str], dict[str, float]], kind: str, ranks: int
 
 def write_report(raw: dict[str, Any], path: Path) -> None:
     """Write the markdown report (and its plots under ``<path stem>/``)."""
-    m = medians(raw["results"])
+    m = medians(raw["results"], raw["args"]["size_mb"])
     mach = raw["machine"]
     a = raw["args"]
     lines = [
@@ -148,21 +154,22 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, Linux {mach['kernel']}; "
         f"Python {mach['python']}, torch {mach['torch']}, boto3 {mach['boto3']}, moto {mach['moto']} (S3 server "
         f"on 127.0.0.1, objects in memory, sharing the cores with the client), {mach['s3fs_fuse']}. "
-        f"Run {mach['date']}: checkpoints of about {a['size_mb']} MiB requested (actual sizes below), kinds {', '.join(a['kinds'])}, ranks "
-        f"{', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
+        f"Run {mach['date']}: state-dict kinds and requested sizes {', '.join(_kind_sizes(a))} (actual sizes "
+        f"below), ranks {', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
         "",
     ]
     if raw.get("note"):
         lines += [raw["note"], ""]
     if raw.get("skipped_cases"):
         lines += [f"Not run (package does not import here): {', '.join(raw['skipped_cases'])}.", ""]
-    combos = sorted({(k, r) for (k, r, _n) in m})
-    for kind, ranks in combos:
-        lines += [f"## {kind}, {ranks} rank{'s' if ranks > 1 else ''}", ""]
+    combos = sorted({c for (c, _n) in m})
+    for combo in combos:
+        kind, size_mb, ranks = combo
+        lines += [f"## {kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}", ""]
         lines += ["| case | blocked s | to .metadata s | load s | sync-save peak extra MiB | async peak extra MiB | "
                   "MB/s to .metadata | MB/s load |", "|---|---|---|---|---|---|---|---|"]
-        for (k, r, name), row in sorted(m.items(), key=lambda kv: kv[0][2]):
-            if (k, r) != (kind, ranks):
+        for (c, name), row in sorted(m.items(), key=lambda kv: kv[0][1]):
+            if c != combo:
                 continue
             size = row["bytes"]
             if name == "boto3":
@@ -174,15 +181,15 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
                 f"| {_fmt(row.get('sync_peak_extra_bytes'), MIB, 0)} | {_fmt(row.get('async_peak_extra_bytes'), MIB, 0)} "
                 f"| {size / 1e6 / row['publish_s']:.0f} | {size / 1e6 / row['load_s']:.0f} |"
             )
-        memcopy = statistics.median(row["memcopy_s"] for (k, r, _), row in m.items() if (k, r) == (kind, ranks))
+        memcopy = statistics.median(row["memcopy_s"] for (c, _), row in m.items() if c == combo)
         lines += ["", f"In-memory copy of the state dict (per rank): {memcopy:.3f} s. Checkpoint size: "
-                  f"{next(row['bytes'] for (k, r, _), row in m.items() if (k, r) == (kind, ranks)) / MIB:.0f} MiB.", ""]
+                  f"{next(row['bytes'] for (c, _), row in m.items() if c == combo) / MIB:.0f} MiB.", ""]
         lines += ["| target | wanted | measured | met |", "|---|---|---|---|"]
-        for label, want, got, ok in target_ratios(m, kind, ranks):
+        for label, want, got, ok in target_ratios(m, combo):
             lines.append(f"| {label} | {want} | {got} | {'-' if ok is None else ('yes' if ok else 'NO')} |")
-        png = path.parent / path.stem / f"{kind}-{ranks}rank.png"
-        if _plot(m, kind, ranks, png):
-            lines += ["", f"![{kind}, {ranks} ranks]({path.stem}/{png.name})"]
+        png = path.parent / path.stem / f"{kind}-{size_mb}mib-{ranks}rank.png"
+        if _plot(m, combo, png):
+            lines += ["", f"![{kind}, {size_mb} MiB, {ranks} ranks]({path.stem}/{png.name})"]
         lines.append("")
     notes = NOTES.read_text().strip() if NOTES.exists() else ""
     # The notes read one particular run's figures: attach them only to that run's report.
@@ -193,6 +200,11 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         lines += [f"(The hand-written reading in `benchmarks/report_notes.md` describes the run of "
                   f"{tag.group(1) if tag else 'another date'}, not this one.)", ""]
     path.write_text("\n".join(lines))
+
+
+def _kind_sizes(args: dict[str, Any]) -> list[str]:
+    """The run's kinds with their sizes, as ``gpt:256`` (``--kinds`` entries without a size get --size-mb)."""
+    return [k if ":" in k else f"{k}:{args['size_mb']}" for k in args["kinds"]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ store, and against the store's own limit, side by side in one run; writes the re
 
     ./scripts/bench.sh                      # = python -m benchmarks.run (256 MiB, 1 and 2 ranks, 3 repeats)
     ./scripts/bench.sh --size-mb 1024 --kinds gpt small --repeats 5
+    ./scripts/bench.sh --kinds gpt:256 gpt:1024 small:256   # a size per state-dict shape
 
 It starts moto's S3 server on 127.0.0.1, mounts one of its buckets with s3fs-fuse (the stand-in for a
 cloud volume's FUSE mount) and a local directory with bindfs (a local FUSE passthrough), then runs
@@ -48,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 FUSE_BUCKET = "fusebench"
 DIRECT_BUCKET = "directbench"
 
+KINDS = ("gpt", "small")
 CASES = ("uc-s3", "uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs", "fs-local", "fsspec-s3", "s3tc", "boto3")
 
 
@@ -73,6 +75,14 @@ def case_plan(name: str, run_id: str, dirs: dict[str, Path]) -> tuple[str, str, 
     if where == "bindfs":
         return kind, str(dirs["bindfs"] / sub), str(dirs["bind_src"] / sub / ".metadata")
     return kind, str(dirs["local"] / sub), str(dirs["local"] / sub / ".metadata")
+
+
+def parse_kind(spec: str, default_mb: int) -> tuple[str, int]:
+    """``"gpt"`` or ``"gpt:1024"`` -> (kind, size in MiB); raises argparse.ArgumentTypeError."""
+    kind, sep, size = spec.partition(":")
+    if kind not in KINDS or (sep and (not size.isdigit() or int(size) == 0)):
+        raise argparse.ArgumentTypeError(f"--kinds: {spec!r} is not KIND or KIND:MIB with KIND one of {', '.join(KINDS)}")
+    return kind, int(size) if size else default_mb
 
 
 def run_case(name: str, ranks: int, kind: str, size_mb: int, dirs: dict[str, Path], env: dict[str, str],
@@ -141,8 +151,9 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mb", type=int, default=256, help="checkpoint size in MiB (default 256)")
-    p.add_argument("--kinds", nargs="+", default=["gpt"], choices=("gpt", "small"),
-                   help="state-dict shapes: gpt (model + AdamW), small (many 16 KiB tensors)")
+    p.add_argument("--kinds", nargs="+", default=["gpt"], metavar="KIND[:MIB]",
+                   help="state-dict shapes: gpt (model + AdamW), small (many 16 KiB tensors); "
+                        "KIND:MIB gives that shape its own size (default: --size-mb), e.g. gpt:256 gpt:1024")
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes (default 1 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -150,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"))
     p.add_argument("--workdir", help="scratch directory (default: a new temp dir, removed afterwards)")
     args = p.parse_args(argv)
+    try:
+        sets = [parse_kind(k, args.size_mb) for k in args.kinds]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     from .mounts import bindfs_mount, ensure_fuse_tools, make_bucket, moto_server, s3fs_mount
@@ -175,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "AWS_ENDPOINT_URL": url, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]), "PYTHONWARNINGS": "ignore"}
         for repeat in range(args.repeats):
-            for kind in args.kinds:
+            for kind, size_mb in sets:
                 for ranks in args.ranks:
                     for name in cases:
                         log.info("repeat %d/%d: %s, %s %d MiB, %d rank(s)", repeat + 1, args.repeats, name, kind,
-                                 args.size_mb, ranks)
-                        for r in run_case(name, ranks, kind, args.size_mb, dirs, env, args.timeout):
+                                 size_mb, ranks)
+                        for r in run_case(name, ranks, kind, size_mb, dirs, env, args.timeout):
                             r["repeat"] = repeat
+                            r["size_mb"] = size_mb
                             results.append(r)
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)

@@ -7,10 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -80,3 +82,15 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     return run_script([exe, "--standalone", f"--nproc_per_node={nproc}", str(script), *args], timeout=timeout, env=env)
+
+
+@pytest.fixture
+def single_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real 1-rank gloo process group in this process (FileStore), destroyed afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

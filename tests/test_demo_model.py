@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from uc_checkpoint.demo.model import GPT, GPTConfig, num_parameters, shard_model
 
@@ -165,19 +162,6 @@ def test_meta_then_materialize() -> None:
     for (name, a), (_, b) in zip(model.state_dict().items(), eager.state_dict().items()):
         assert torch.equal(a, b), name
     assert model.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.2)
-
-
-@pytest.fixture
-def single_rank_group(tmp_path: Path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_shard_model_single_rank(single_rank_group: None) -> None:

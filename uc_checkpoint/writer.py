@@ -2,8 +2,8 @@
 
 Where a byte goes, from ``dcp.async_save`` to the volume:
 
-1. ``stage()`` (inherited from ``FileSystemWriter``): the state dict is copied to CPU memory; this
-   is the only time training is blocked.
+1. ``stage()``: the state dict is copied to CPU memory, every tensor once
+   (:func:`~uc_checkpoint.snapshot.cpu_snapshot`); this is the only time training is blocked.
 2. ``write_data`` (every rank, in DCP's background thread or process): DCP's own serialiser writes
    the rank's items into a few data files in a per-rank staging directory. As each file is closed,
    it is handed to a :class:`~uc_checkpoint.transfer.TransferPool`, so uploads overlap serialising the
@@ -64,6 +64,7 @@ from .errors import (
     VolumeError,
 )
 from .records import TransferRecord
+from .snapshot import UnsupportedSnapshot, cpu_snapshot
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
 from .transfer import TransferGroup, TransferPool
 from .volumes import FileRecord, Volume, open_volume
@@ -242,6 +243,17 @@ class UCVolumeWriter(FileSystemWriter):
             self._location = os.fspath(checkpoint_id)
             self._volume = None
         self.save_id = str(uuid.uuid4())
+
+    # ---- staging (the only part of async_save that blocks training) --------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` to CPU memory for ``dcp.async_save``: each tensor once (DCP's own
+        stager copies a DTensor's shard twice); falls back to DCP's stager for ``ShardedTensor``."""
+        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
+        try:
+            return cpu_snapshot(state_dict)
+        except UnsupportedSnapshot as exc:
+            logger.debug("staging with DCP's stager: %s", exc)
+            return super().stage(state_dict)
 
     # ---- planning -----------------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

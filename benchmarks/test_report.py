@@ -1,0 +1,63 @@
+"""The report's arithmetic: medians per (kind, size, ranks), the target ratios, the --kinds syntax."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import medians, target_ratios, write_report
+from benchmarks.run import parse_kind
+
+MIB = 1 << 20
+
+
+def _result(name: str, repeat: int, size_mb: int, **measures: float) -> dict:
+    return {"kind": "gpt", "ranks": 1, "rank": 0, "name": name, "repeat": repeat, "size_mb": size_mb,
+            "rank_bytes": size_mb * MIB, "memcopy_s": 0.1, **measures}
+
+
+def _run(size_mb: int, scale: float) -> list[dict]:
+    out = []
+    for rep, jitter in enumerate((1.0, 1.5, 0.9)):  # medians must ignore the outlying repeat
+        out += [
+            _result("uc-s3", rep, size_mb, blocked_s=0.12 * jitter, publish_s=1.0 * scale * jitter,
+                    load_s=0.5 * scale, sync_peak_extra_bytes=0.1 * size_mb * MIB),
+            _result("fs-s3fs", rep, size_mb, blocked_s=0.1, publish_s=3.5 * scale, load_s=1.0 * scale),
+            _result("boto3", rep, size_mb, upload_s=0.8 * scale, download_s=0.6 * scale),
+        ]
+    return out
+
+
+def test_ratios_are_medians_per_size(tmp_path: Path) -> None:
+    results = _run(256, 1.0) + _run(1024, 4.0)
+    m = medians(results)
+    assert {c for c, _ in m} == {("gpt", 256, 1), ("gpt", 1024, 1)}
+    assert m[(("gpt", 256, 1), "uc-s3")]["publish_s"] == pytest.approx(1.0)  # median of 1.0, 1.5, 0.9
+    rows = {label: (got, ok) for label, _want, got, ok in target_ratios(m, ("gpt", 1024, 1))}
+    assert rows["async_save blocked time vs an in-memory copy"] == ("1.20x", True)
+    assert rows["time to .metadata: FileSystemWriter on s3fs / ours to S3"] == ("3.50x", True)
+    # upload: raw 3.2 s against ours 4.0 - 0.12 s after the blocked part
+    assert rows["upload throughput vs raw boto3"] == (f"{3.2 / (4.0 - 0.12):.2f}x", False)
+    assert rows["dcp.load: FileSystemReader on s3fs / ours from S3"] == ("2.00x", False)
+    assert rows["peak extra memory of a save / checkpoint share"] == ("0.100", True)
+    assert rows["vs s3torchconnector (save, load)"] == ("-", None)
+
+    report = tmp_path / "bench.md"
+    raw = {"machine": {"date": "D", "cpu": "c", "cores": 2, "memory_gib": 1, "kernel": "k", "python": "p",
+                       "torch": "t", "boto3": "b", "moto": "m", "s3fs_fuse": "s"},
+           "args": {"size_mb": 256, "kinds": ["gpt:256", "gpt:1024"], "ranks": [1], "repeats": 3},
+           "results": results}
+    write_report(raw, report)
+    text = report.read_text()
+    assert "## gpt, 256 MiB, 1 rank" in text and "## gpt, 1024 MiB, 1 rank" in text
+    assert "requested sizes gpt:256, gpt:1024" in text
+
+
+def test_kind_specs() -> None:
+    assert parse_kind("gpt", 256) == ("gpt", 256)
+    assert parse_kind("small:64", 256) == ("small", 64)
+    for bad in ("big", "gpt:", "gpt:0", "gpt:1.5", "gpt:-3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--kinds"):
+            parse_kind(bad, 256)
