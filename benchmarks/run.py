@@ -35,6 +35,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    # A plain `kill` must still unmount and stop the server: turn SIGTERM into SystemExit, which
+    # unwinds the ExitStack below.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     from .mounts import bindfs_mount, ensure_fuse_tools, make_bucket, moto_server, s3fs_mount
     from .report import write_report

@@ -1,29 +1,34 @@
 """``UCVolumeReader``: a DCP storage reader that fetches only the files a load needs, in parallel,
 into a local staging cache, and deserialises each file as soon as it has arrived and been verified.
+
+Items are deserialised as DCP's ``FileSystemReader`` does (``torch.load`` of each tensor item, then
+copied into the load plan's tensor), except that small tensor items written by our writer (or by
+``torch.save`` of a plain tensor) are decoded by :class:`~uc_checkpoint.item_codec.ItemCodec`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import as_completed
-from contextlib import contextmanager
-from typing import IO, Any
+from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from . import layout, metadata_io
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError, VolumeError
 from .integrity import FileRecord, verify_blocks
+from .item_codec import ItemCodec
 from .ranges import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_GAP_BYTES,
@@ -123,12 +128,10 @@ class UCVolumeReader(FileSystemReader):
         self._metadata_error: UCCheckpointError | None = None
         self._min_sizes: dict[str, int] = {}
         self._volume: Volume | None = None
-        self._window: tuple[int, memoryview] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_volume"] = None
-        state["_window"] = None
         return state
 
     @property
@@ -207,6 +210,13 @@ class UCVolumeReader(FileSystemReader):
         self._manifest = layout.manifest_of(metadata)
         self._records = layout.manifest_records(self._manifest)
         self._min_sizes = layout.referenced_files(metadata)
+        # (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item holds, for ItemCodec.
+        self._chunks = {
+            (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
 
     # ---- data ---------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -215,10 +225,13 @@ class UCVolumeReader(FileSystemReader):
         ranged = volume.prefers_ranged_reads if self.prefetch_files is None else not self.prefetch_files
         started = time.perf_counter()
         retries_before = volume.retries
+        codec = ItemCodec()
         if ranged:
-            nfiles, nbytes = self._read_ranges(volume, plan, planner, rank)
+            nfiles, nbytes = self._read_ranges(volume, plan, planner, rank, codec)
         else:
-            nfiles, nbytes = self._read_files(volume, plan, planner, rank)
+            nfiles, nbytes = self._read_files(volume, plan, planner, rank, codec)
+        logger.debug("%d of %d tensor items decoded through templates", codec.fast_decoded,
+                     sum(1 for item in plan.items if item.type != LoadItemType.BYTE_IO))
         elapsed = time.perf_counter() - started
         # Reads and deserialisation overlap: the transfer time is the whole read step.
         self.last_record = TransferRecord(
@@ -230,14 +243,16 @@ class UCVolumeReader(FileSystemReader):
         fut_done.set_result(None)
         return fut_done
 
-    def _read_files(self, volume: Volume, plan: LoadPlan, planner: LoadPlanner, rank: int) -> tuple[int, int]:
+    def _read_files(
+        self, volume: Volume, plan: LoadPlan, planner: LoadPlanner, rank: int, codec: ItemCodec
+    ) -> tuple[int, int]:
         """Download each needed file whole into staging, verify it, deserialise it; files are
         fetched in parallel and each is deserialised as soon as it has arrived."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         cache = create_staging_dir(staging_dir_for(self.staging_dir, "load", volume.url, self.load_id, rank))
-        self.path = cache  # type: ignore[assignment]  # FileSystemReader reads fetched files here
+        self.path = cache  # type: ignore[assignment]
         nbytes = 0
 
         def fetch(name: str) -> FileRecord:
@@ -251,7 +266,11 @@ class UCVolumeReader(FileSystemReader):
             for fut in as_completed(futures):
                 name = futures[fut]
                 nbytes += fut.result().size
-                super().read_data(dataclasses.replace(plan, items=per_file[name]), planner).wait()
+                with open(cache / name, "rb") as f:
+                    for item in per_file[name]:
+                        info = self.storage_data[item.storage_index]
+                        f.seek(info.offset)
+                        self._load_item(volume, item, info, memoryview(f.read(info.length)), planner, codec)
                 (cache / name).unlink(missing_ok=True)
         finally:
             pool.shutdown(cancel_pending=True)
@@ -259,7 +278,9 @@ class UCVolumeReader(FileSystemReader):
             remove_staging_dir(cache)
         return len(per_file), nbytes
 
-    def _read_ranges(self, volume: Volume, plan: LoadPlan, planner: LoadPlanner, rank: int) -> tuple[int, int]:
+    def _read_ranges(
+        self, volume: Volume, plan: LoadPlan, planner: LoadPlanner, rank: int, codec: ItemCodec
+    ) -> tuple[int, int]:
         """Fetch only the byte ranges the plan needs, in parallel pieces, with at most
         ``max_inflight_bytes`` fetched ahead of deserialisation; verify each range's checksum
         blocks; deserialise each range as soon as it is complete."""
@@ -311,7 +332,7 @@ class UCVolumeReader(FileSystemReader):
                     raise exc
                 raise TransferError(f"reading {volume.describe(req.name)} failed: {exc}") from exc
             assert buf is not None
-            self._deserialise_range(volume, req, memoryview(buf), plan, planner)
+            self._deserialise_range(volume, req, memoryview(buf), planner, codec)
             nbytes += req.nbytes
             budget.give(req.nbytes)
 
@@ -332,28 +353,41 @@ class UCVolumeReader(FileSystemReader):
         return len({r.name for r in requests}), nbytes
 
     def _deserialise_range(
-        self, volume: Volume, req: RangeRequest[ReadItem], data: memoryview, plan: LoadPlan, planner: LoadPlanner
+        self, volume: Volume, req: RangeRequest[ReadItem], data: memoryview, planner: LoadPlanner, codec: ItemCodec
     ) -> None:
         record = self._records.get(req.name)
-        where = volume.describe(req.name)
         if record is not None and self.verify_checksums:
-            verify_blocks(data, req.start, record, where)
-        # DCP's own deserialiser reads every item through _slice_file; point it at this buffer.
-        self._window = (req.start, data)
-        fs = self.fs
-        self.fs = _NoFileSystem()
-        try:
-            super().read_data(dataclasses.replace(plan, items=req.items), planner).wait()
-        finally:
-            self.fs = fs
-            self._window = None
+            verify_blocks(data, req.start, record, volume.describe(req.name))
+        for item in req.items:
+            info = self.storage_data[item.storage_index]
+            lo = info.offset - req.start
+            self._load_item(volume, item, info, data[lo : lo + info.length], planner, codec)
 
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
-        if self._window is None:
-            return super()._slice_file(file, sinfo)
-        base, data = self._window
-        lo = sinfo.offset - base
-        return _MemoryReader(data[lo : lo + sinfo.length])
+    def _load_item(
+        self, volume: Volume, req: ReadItem, info: _StorageInfo, data: memoryview, planner: LoadPlanner,
+        codec: ItemCodec,
+    ) -> None:
+        """Deserialise one item from its bytes and hand it to the planner, as DCP's
+        ``FileSystemReader.read_data`` does for each item."""
+        if info.transform_descriptors:  # written with DCP extensions (e.g. compression)
+            stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
+            data = memoryview(stream.read(-1))
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data))
+            return
+        saved = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        tensor = codec.decode(data, *saved) if saved is not None else None
+        if tensor is None:
+            tensor = torch.load(_MemoryReader(data), map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(
+                f"{volume.describe(info.relative_path)}: item {req.storage_index.fqn} gives a tensor of shape "
+                f"{tuple(tensor.size())}, the load plan expects {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
 
     def _verify_file(self, volume: Volume, record: FileRecord, min_size: int) -> None:
         where = volume.describe(record.name)
@@ -369,17 +403,6 @@ class UCVolumeReader(FileSystemReader):
                 )
         elif record.size < min_size:
             raise CorruptCheckpointError(f"{where} has {record.size} bytes, the checkpoint needs at least {min_size}")
-
-
-class _NoFileSystem(FileSystem):
-    """Stands in for the filesystem while items are deserialised from memory: no file is opened."""
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[IO[bytes]]:
-        yield None  # type: ignore[misc]  # _slice_file ignores it
-
-    def concat_path(self, path: Any, suffix: str) -> str:
-        return suffix
 
 
 class _MemoryReader(io.RawIOBase):

@@ -4,8 +4,9 @@ Where a byte goes, from ``dcp.async_save`` to the volume:
 
 1. ``stage()``: the state dict is copied to CPU memory, every tensor once
    (:func:`~uc_checkpoint.snapshot.cpu_snapshot`); this is the only time training is blocked.
-2. ``write_data`` (every rank, in DCP's background thread or process): DCP's own serialiser writes
-   the rank's items into a few data files in a per-rank staging directory. As each file is closed,
+2. ``write_data`` (every rank, in DCP's background thread or process): the rank's items are
+   serialised in DCP's file format (one ``torch.save`` archive per tensor, small ones through
+   :class:`~uc_checkpoint.item_codec.ItemCodec`) into a few data files in a per-rank staging directory. As each file is closed,
    it is handed to a :class:`~uc_checkpoint.transfer.TransferPool`, so uploads overlap serialising the
    next file. ``write_data`` returns once every file of the rank is on the volume with its size
    checked.
@@ -31,6 +32,7 @@ import pickle
 import queue
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,11 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
     FileSystemWriter,
     _item_size,
+    _OverlappingCpuLoader,
+    _SerialCpuLoader,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
@@ -63,6 +68,7 @@ from .errors import (
     UCCheckpointError,
     VolumeError,
 )
+from .item_codec import ItemCodec
 from .records import TransferRecord
 from .snapshot import UnsupportedSnapshot, cpu_snapshot
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
@@ -336,6 +342,66 @@ class UCVolumeWriter(FileSystemWriter):
             file_queue.put((staging / name, name, bucket))
         return file_queue
 
+    def _serialise(self, planner: SavePlanner, file_queue: queue.Queue[tuple[Path, str, list[Any]]]) -> list[WriteResult]:
+        """Write every queued data file (``thread_count`` threads); each file is handed to the upload
+        pool by ``self.fs`` as soon as it is closed. The format is DCP's (what
+        ``FileSystemWriter`` writes with ``SerializationFormat.TORCH_SAVE``), so stock readers load it."""
+        codec = ItemCodec()
+        results: list[WriteResult] = []
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def work() -> None:
+            try:
+                while not errors:
+                    try:
+                        path, storage_key, items = file_queue.get_nowait()
+                    except queue.Empty:
+                        return
+                    written = self._serialise_file(path, storage_key, items, planner, codec)
+                    with lock:
+                        results.extend(written)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, name=f"uc-serialise-{i}", daemon=True)
+                   for i in range(1, self.thread_count)]
+        for t in threads:
+            t.start()
+        work()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        logger.debug("%d of %d tensor items serialised through templates", codec.fast_encoded, codec.encoded)
+        return results
+
+    def _serialise_file(
+        self, path: Path, storage_key: str, items: list[Any], planner: SavePlanner, codec: ItemCodec
+    ) -> list[WriteResult]:
+        # As DCP's writer: accelerator tensors of a synchronous save are copied to the CPU a little
+        # ahead of serialisation (async saves arrive here already on the CPU).
+        if self.thread_count == 1 and self.per_thread_copy_ahead > 0 and torch.cuda.is_available():
+            loader: Any = _OverlappingCpuLoader(planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead)
+        else:
+            loader = _SerialCpuLoader(planner.resolve_data)
+        for item in items:
+            if item.type != WriteItemType.BYTE_IO:
+                loader.add(_item_size(item), item)
+        loader.start_loading()
+        out: list[WriteResult] = []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    offset = stream.tell()
+                    stream.write(planner.resolve_data(item).getbuffer())
+                    out.append(_write_result(item, storage_key, offset, stream.tell() - offset))
+            for tensor, item in loader.values():
+                offset = stream.tell()
+                codec.write(tensor, stream)
+                out.append(_write_result(item, storage_key, offset, stream.tell() - offset))
+        return out
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         volume = self.volume
         staging = create_staging_dir(self._staging_path())
@@ -363,7 +429,7 @@ class UCVolumeWriter(FileSystemWriter):
         self.fs.on_file_written = lambda path: group.submit(upload, path)
         try:
             try:
-                results: list[WriteResult] = self._write_data(planner, self._file_queue(plan, staging)).value()
+                results = self._serialise(planner, self._file_queue(plan, staging))
             finally:
                 self.fs.on_file_written = None
                 staging_s = time.perf_counter() - started
@@ -516,6 +582,10 @@ class UCVolumeWriter(FileSystemWriter):
                 volume.delete(name)
             except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
                 logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
+
+
+def _write_result(item: Any, storage_key: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
 
 def _digest(raw: bytes | None) -> str:
