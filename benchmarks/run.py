@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="uc-bench-"))
     results: list[dict[str, Any]] = []
     with ExitStack() as stack:
+        if not args.workdir:
+            stack.callback(shutil.rmtree, work, ignore_errors=True)  # last, after the unmounts
         url = stack.enter_context(moto_server())
         make_bucket(url, FUSE_BUCKET)
         make_bucket(url, DIRECT_BUCKET)
@@ -203,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
                             r["repeat"] = repeat
                             r["size_mb"] = size_mb
                             results.append(r)
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
     report = Path(args.report)
     raw = {"machine": machine(), "args": vars(args), "skipped_cases": skipped, "results": results}
     report.parent.mkdir(parents=True, exist_ok=True)
