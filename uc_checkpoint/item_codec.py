@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: Tensors up to this many bytes take the template path; above it the per-item cost of torch.save
 #: is small next to copying the data, and torch's own writer handles alignment and ZIP64.
-MAX_FAST_BYTES = 1 << 20
-#: Templates kept per codec (distinct (dtype, shape) pairs); beyond it items use torch.save.
-MAX_TEMPLATES = 4096
+MAX_FAST_BYTES = 256 << 10
+#: Bytes of templates one codec keeps (one per distinct (dtype, shape)); beyond it items use torch.save.
+MAX_TEMPLATE_BYTES = 64 << 20
 
 _LOCAL_HEADER = 0x04034B50
 _CENTRAL_HEADER = 0x02014B50
@@ -112,14 +112,15 @@ def _fast_eligible(t: torch.Tensor) -> bool:
 class ItemCodec:
     """Encodes tensor items as ``torch.save`` archives and decodes them, fast for small tensors.
 
-    One codec per save or load (thread-safe); templates are built lazily, at most
-    :data:`MAX_TEMPLATES`. Source of the idea: a zip archive's stored (uncompressed) records can be
+    One codec per save or load (thread-safe; the counters are approximate under threads); templates
+    are built lazily, at most :data:`MAX_TEMPLATE_BYTES` of them. Source of the idea: a zip archive's stored (uncompressed) records can be
     patched in place when their length does not change, as long as the CRC-32 fields follow.
     """
 
     def __init__(self) -> None:
         self._templates: dict[tuple[torch.dtype, tuple[int, ...]], _Template | None] = {}
         self._lock = threading.Lock()
+        self._template_bytes = 0
         #: Tensor items written, and how many of them through a template; items decoded fast.
         self.encoded = 0
         self.fast_encoded = 0
@@ -134,8 +135,11 @@ class ItemCodec:
         with self._lock:
             if key in self._templates:
                 return self._templates[key]
-            built = self._build(dtype, shape) if len(self._templates) < MAX_TEMPLATES else None
+            if self._template_bytes + _numel(shape) * dtype.itemsize > MAX_TEMPLATE_BYTES:
+                return None
+            built = self._build(dtype, shape)
             self._templates[key] = built
+            self._template_bytes += len(built.raw) if built is not None else 0
             return built
 
     def _build(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | None:
@@ -150,9 +154,11 @@ class ItemCodec:
         template = _Template(raw, *layout)
         # Trust the template only once torch.load reads back, bit for bit, an item built from it.
         nbytes = zero.numel() * zero.element_size()
-        # Distinct bytes at every position (0/1 for bool, whose other byte values are not booleans).
-        probe = torch.arange(nbytes, dtype=torch.int64).remainder(2 if dtype == torch.bool else 251)
-        sample = probe.to(torch.uint8).view(dtype).reshape(shape)
+        # Bytes that differ from their neighbours (0/1 for bool, whose other byte values are not
+        # booleans), built in uint8 so a probe costs no more memory than the tensor.
+        period = 2 if dtype == torch.bool else 251
+        probe = torch.arange(period, dtype=torch.uint8).repeat(-(-nbytes // period))[:nbytes]
+        sample = probe.view(dtype).reshape(shape)
         try:
             back = torch.load(io.BytesIO(self._fill(template, sample)), map_location="cpu", weights_only=True)
             ok = (
@@ -180,9 +186,7 @@ class ItemCodec:
         tensor item). ``t`` must be on the CPU."""
         self.encoded += 1
         if _fast_eligible(t):
-            plain = t.detach()
-            if not plain.is_contiguous() or plain.storage_offset() != 0:
-                plain = plain.contiguous()
+            plain = t.detach().contiguous()  # a view's values; its storage offset does not matter
             template = self._template(plain.dtype, tuple(plain.shape))
             if template is not None:
                 stream.write(self._fill(template, plain))

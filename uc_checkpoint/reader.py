@@ -19,10 +19,10 @@ from concurrent.futures import as_completed
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from . import layout, metadata_io
@@ -127,6 +127,7 @@ class UCVolumeReader(FileSystemReader):
         self._records: dict[str, FileRecord] = {}
         self._metadata_error: UCCheckpointError | None = None
         self._min_sizes: dict[str, int] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._volume: Volume | None = None
 
     def __getstate__(self) -> dict[str, Any]:

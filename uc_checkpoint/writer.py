@@ -6,7 +6,8 @@ Where a byte goes, from ``dcp.async_save`` to the volume:
    (:func:`~uc_checkpoint.snapshot.cpu_snapshot`); this is the only time training is blocked.
 2. ``write_data`` (every rank, in DCP's background thread or process): the rank's items are
    serialised in DCP's file format (one ``torch.save`` archive per tensor, small ones through
-   :class:`~uc_checkpoint.item_codec.ItemCodec`) into a few data files in a per-rank staging directory. As each file is closed,
+   :class:`~uc_checkpoint.item_codec.ItemCodec`) into a few data files in a per-rank staging
+   directory. As each file is closed,
    it is handed to a :class:`~uc_checkpoint.transfer.TransferPool`, so uploads overlap serialising the
    next file. ``write_data`` returns once every file of the rank is on the volume with its size
    checked.
