@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment in .venv: uc-checkpoint in editable mode
-# with its test and benchmark extras. torch is pinned to the 2.13.0 CPU wheel by constraints.txt.
+# with its test extra (UC_SETUP_EXTRAS=test,bench adds the benchmark extra). torch is pinned to the
+# 2.13.0 CPU wheel by constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -16,9 +16,11 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.item_codec import MAX_FAST_BYTES, ItemCodec
+from uc_checkpoint.errors import CorruptCheckpointError, rank_error
+from uc_checkpoint.item_codec import MAX_FAST_BYTES, ItemChecksumError, ItemCodec
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]
@@ -93,8 +95,9 @@ def test_what_the_fast_path_leaves_to_torch() -> None:
     flipped = bytearray(good)
     start = good.index(_bits(t)[:64])
     flipped[start + 10] ^= 0x01
-    # (torch.load itself does not check a record's CRC-32; our reader's block checksums catch this.)
-    assert codec.decode(flipped, torch.float32, (16, 4)) is None
+    # torch.load itself does not check a record's CRC-32; the codec does.
+    with pytest.raises(ItemChecksumError, match="crc32"):
+        codec.decode(flipped, torch.float32, (16, 4))
     param = io.BytesIO()
     torch.save(torch.nn.Parameter(t.clone()), param)
     assert codec.decode(param.getvalue(), torch.float32, (16, 4)) is None
@@ -139,3 +142,22 @@ def test_checkpoints_of_small_tensors_round_trip_with_stock_dcp(
         assert out["step"] == 5
         for k, v in sd["model"].items():
             assert torch.equal(out["model"][k], v), (where, k)
+
+
+@pytest.mark.parametrize("prefetch_files", [True, False])
+def test_a_damaged_small_tensor_in_a_stock_checkpoint_is_named(tmp_path: Path, staging: Path, prefetch_files: bool) -> None:
+    """A checkpoint from stock FileSystemWriter has no manifest, so no file checksums; a flipped
+    byte in a small tensor's data is still caught by the archive's own CRC-32 (torch.load is not)."""
+    sd = _many_small(1)
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path))
+    victim = sd["model"]["w7"]
+    data_file = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data_file.read_bytes())
+    at = raw.index(_bits(victim)[:64]) + 40
+    raw[at] ^= 0x10
+    data_file.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_zeros_like(sd), storage_reader=UCVolumeReader(tmp_path, prefetch_files=prefetch_files))
+    error = rank_error(info.value)
+    assert isinstance(error, CorruptCheckpointError), error
+    assert data_file.name in str(error) and "model.w7" in str(error) and "crc32" in str(error)

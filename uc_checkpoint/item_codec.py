@@ -44,6 +44,11 @@ _DESCRIPTOR = 0x08074B50
 _END_OF_CENTRAL_DIR = 0x06054B50
 
 
+class ItemChecksumError(ValueError):
+    """An item archive laid out exactly as its template whose storage record fails its CRC-32: the
+    tensor's bytes were damaged after they were written (``torch.load`` would not notice)."""
+
+
 @dataclass(frozen=True)
 class _Template:
     raw: bytes  # torch.save of a zero tensor of this dtype and shape
@@ -198,7 +203,12 @@ class ItemCodec:
     def decode(self, data: memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The tensor in one item archive ``data`` that should hold a ``dtype`` tensor of ``shape``
         (the chunk's saved shape), as a new tensor that does not share ``data``'s memory; None when
-        the archive is not one the fast path reads (then ``torch.load`` it)."""
+        the archive is not one the fast path reads (then ``torch.load`` it).
+
+        Raises:
+            ItemChecksumError: the archive matches the template but its tensor bytes fail the CRC-32
+                the archive records for them.
+        """
         view = memoryview(data).cast("B")
         nbytes = _numel(shape) * dtype.itemsize
         if 0 < nbytes <= MAX_FAST_BYTES and not dtype.is_complex:
@@ -207,9 +217,13 @@ class ItemCodec:
                 template is not None
                 and len(view) == len(template.raw)
                 and view[: template.data_start] == template.raw[: template.data_start]
-                and zlib.crc32(view[template.data_start : template.data_end])
-                == struct.unpack_from("<I", view, template.crc_offsets[0])[0]
             ):
+                recorded = struct.unpack_from("<I", view, template.crc_offsets[0])[0]
+                if recorded == 0:  # written with torch's crc32 computation switched off: let torch read it
+                    return None
+                actual = zlib.crc32(view[template.data_start : template.data_end])
+                if recorded != actual:
+                    raise ItemChecksumError(f"tensor bytes fail their crc32: {actual:08x}, recorded {recorded:08x}")
                 out = torch.empty(shape, dtype=dtype)  # aligned, and independent of the read buffer
                 _raw_bytes(out)[:] = view[template.data_start : template.data_end]
                 self.fast_decoded += 1

@@ -28,7 +28,7 @@ from torch.futures import Future
 from . import layout, metadata_io
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError, VolumeError
 from .integrity import FileRecord, verify_blocks
-from .item_codec import ItemCodec
+from .item_codec import ItemChecksumError, ItemCodec
 from .ranges import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_GAP_BYTES,
@@ -63,7 +63,8 @@ class UCVolumeReader(FileSystemReader):
         download_workers: files (or byte ranges) fetched at once per rank.
         verify_checksums: check every fetched byte against the CRC-32s recorded in the
             checkpoint's manifest: of the whole file, or of each 4 MiB block a ranged read covers
-            (checkpoints without a manifest are checked for size only).
+            (checkpoints without a manifest, such as stock ``FileSystemWriter`` ones, are checked for
+            size, plus the zip CRC-32 of each tensor item up to 256 KiB).
         prefetch_files: ``True``: download each needed file whole into ``staging_dir``, then read
             it. ``False``: fetch only the byte ranges the load plan needs into memory (ranges of a
             file closer than ``range_gap_bytes`` are merged; big ranges are fetched as parallel
@@ -377,7 +378,12 @@ class UCVolumeReader(FileSystemReader):
             planner.load_bytes(req, io.BytesIO(data))
             return
         saved = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
-        tensor = codec.decode(data, *saved) if saved is not None else None
+        try:
+            tensor = codec.decode(data, *saved) if saved is not None else None
+        except ItemChecksumError as exc:
+            raise CorruptCheckpointError(
+                f"{volume.describe(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}: {exc}"
+            ) from exc
         if tensor is None:
             tensor = torch.load(_MemoryReader(data), map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)

@@ -254,7 +254,8 @@ class UCVolumeWriter(FileSystemWriter):
     # ---- staging (the only part of async_save that blocks training) --------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` to CPU memory for ``dcp.async_save``: each tensor once (DCP's own
-        stager copies a DTensor's shard twice); falls back to DCP's stager for ``ShardedTensor``."""
+        stager copies a DTensor's shard twice); falls back to DCP's stager for a ``ShardedTensor`` or
+        another tensor subclass (other than DTensor and Parameter)."""
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
         try:
             return cpu_snapshot(state_dict)
