@@ -86,6 +86,8 @@ def test_sharded_tensor_is_left_to_dcps_stager(single_rank_group: None, tmp_path
     st.local_shards()[0].tensor.copy_(torch.arange(32.0).reshape(8, 4))
     with pytest.raises(UnsupportedSnapshot, match="ShardedTensor"):
         cpu_snapshot({"st": st})
+    with pytest.raises(UnsupportedSnapshot, match="sparse"):
+        cpu_snapshot({"s": torch.eye(3).to_sparse()})
     staged = UCVolumeWriter(tmp_path / "ckpt").stage({"st": st, "x": torch.ones(2)})
     assert isinstance(staged["st"], ShardedTensor)
     assert torch.equal(staged["st"].local_shards()[0].tensor, torch.arange(32.0).reshape(8, 4))

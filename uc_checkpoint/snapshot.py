@@ -46,8 +46,8 @@ def cpu_snapshot(state_dict: Any) -> Any:
         change. Tensors copied from an accelerator are in pinned memory.
 
     Raises:
-        UnsupportedSnapshot: the state dict holds a ``ShardedTensor`` or another tensor subclass;
-            the caller falls back to DCP's stager.
+        UnsupportedSnapshot: the state dict holds a ``ShardedTensor``, another tensor subclass or a
+            sparse tensor; the caller falls back to DCP's stager.
     """
     memo: dict[int, Any] = {}
     devices: set[torch.device] = set()
@@ -83,6 +83,8 @@ def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device]) -> torch.Tenso
         return DTensor(_copy_plain(local, devices), t._spec, requires_grad=False)
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedSnapshot(f"{type(t).__name__} is staged by DCP's own stager")
+    if t.layout != torch.strided:
+        raise UnsupportedSnapshot(f"a {t.layout} tensor is staged by DCP's own stager")
     return _copy_plain(t, devices)
 
 
