@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import struct
 import threading
 import zlib
@@ -140,7 +141,7 @@ class ItemCodec:
         with self._lock:
             if key in self._templates:
                 return self._templates[key]
-            if self._template_bytes + _numel(shape) * dtype.itemsize > MAX_TEMPLATE_BYTES:
+            if self._template_bytes + math.prod(shape) * dtype.itemsize > MAX_TEMPLATE_BYTES:
                 return None
             built = self._build(dtype, shape)
             self._templates[key] = built
@@ -210,7 +211,7 @@ class ItemCodec:
                 the archive records for them.
         """
         view = memoryview(data).cast("B")
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if 0 < nbytes <= MAX_FAST_BYTES and not dtype.is_complex:
             template = self._template(dtype, shape)
             if (
@@ -230,9 +231,3 @@ class ItemCodec:
                 return out
         return None
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

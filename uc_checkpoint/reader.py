@@ -112,7 +112,7 @@ class UCVolumeReader(FileSystemReader):
         if range_gap_bytes < 0:
             raise ValueError(f"range_gap_bytes must be >= 0, got {range_gap_bytes}")
         super().__init__(path=".")
-        self.path = None  # type: ignore[assignment]  # the cache dir, set per load in read_data
+        self.path = None  # type: ignore[assignment]  # FileSystemReader's; every read goes through the volume
         self._location: str | Volume = path if isinstance(path, Volume) else os.fspath(path)
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         #: This rank's :class:`~uc_checkpoint.records.TransferRecord` of the last load (None before one).
@@ -254,7 +254,6 @@ class UCVolumeReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         cache = create_staging_dir(staging_dir_for(self.staging_dir, "load", volume.url, self.load_id, rank))
-        self.path = cache  # type: ignore[assignment]
         nbytes = 0
 
         def fetch(name: str) -> FileRecord:

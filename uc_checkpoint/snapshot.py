@@ -89,8 +89,7 @@ def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device]) -> torch.Tenso
 
 
 def _copy_plain(t: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
-    on_cpu = t.device.type == "cpu"
-    pin = not on_cpu and torch.cuda.is_available() and t.device.type == "cuda"
+    pin = t.device.type == "cuda" and torch.cuda.is_available()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     out.copy_(t.detach(), non_blocking=pin)
     if pin:
