@@ -230,4 +230,3 @@ class ItemCodec:
                 self.fast_decoded += 1
                 return out
         return None
-
