@@ -189,7 +189,7 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
             lines.append(f"| {label} | {want} | {got} | {'-' if ok is None else ('yes' if ok else 'NO')} |")
         png = path.parent / path.stem / f"{kind}-{size_mb}mib-{ranks}rank.png"
         if _plot(m, combo, png):
-            lines += ["", f"![{kind}, {size_mb} MiB, {ranks} ranks]({path.stem}/{png.name})"]
+            lines += ["", f"![{kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}]({path.stem}/{png.name})"]
         lines.append("")
     notes = NOTES.read_text().strip() if NOTES.exists() else ""
     # The notes read one particular run's figures: attach them only to that run's report.
