@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from . import layout
+from . import exit_guard, layout
 from .checkpoints import checkpoint_name, list_checkpoints
 from .errors import CheckpointNotFoundError, TransferError, UCCheckpointError, VolumeError, one_line
 from .describe import missing_or_short
@@ -70,9 +70,12 @@ class CheckpointManager:
         async_save: :meth:`save` uses ``dcp.async_save`` (training resumes once the state is copied
             to CPU memory) rather than ``dcp.save``.
         async_mode: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``).
-        process_group: group for DCP's collectives and for agreeing on :meth:`latest` (default: the
-            default group). A group of its own keeps checkpoint collectives, which run in a
-            background thread, from interleaving with training collectives.
+        process_group: the ranks that save and load together (default: every rank). The manager
+            never issues a collective on this group itself: on first use it creates two gloo groups
+            over the same ranks, one for DCP's saves (whose collectives run in a background thread
+            while training goes on) and one for what the training thread agrees on
+            (:meth:`latest`, :meth:`list`, :meth:`preemption_requested`, :meth:`load`), so a save in
+            flight can never pair its collectives with the training loop's or the manager's own.
         staging_dir: local staging root for writer and reader (default: ``$UC_CHECKPOINT_STAGING_DIR``
             or the system temp dir).
         list_attempts: attempts at listing the root before an error is raised (backoff doubling from
@@ -85,7 +88,8 @@ class CheckpointManager:
 
     Rank 0 of the group lists, validates and prunes; the others receive its answers (an error on
     rank 0 is raised on every rank, so no rank waits forever). Not thread-safe: call it from the
-    training loop.
+    training loop, on every rank, in the same order (each call that agrees across ranks is a
+    collective on the manager's own foreground group).
     """
 
     def __init__(
@@ -134,6 +138,8 @@ class CheckpointManager:
         self.last_save: SaveEvent | None = None
         self._preempt_signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
+        # (background group for DCP's saves, foreground group for agreement), made on first use.
+        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
     # ------------------------------------------------------------------ ranks
 
@@ -142,6 +148,40 @@ class CheckpointManager:
 
     def _is_leader(self) -> bool:
         return not self._distributed() or dist.get_rank(self.process_group) == 0
+
+    def _group_pair(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """``(save_group, agree_group)``: two gloo groups over ``process_group``'s ranks, created
+        the first time a collective is needed (every rank of the group reaches that call together).
+
+        Why two, and why not the caller's group: DCP runs a save's collectives (plan gather, result
+        gather, metadata broadcast) in its background thread while the training thread goes on
+        issuing collectives of its own. Two threads issuing collectives on one group pair them in
+        whatever order each rank happens to reach them, which deadlocks as soon as the ranks' orders
+        differ. Background work gets a group nothing else uses; foreground agreement another.
+        ``use_local_synchronization`` keeps ranks outside the group out of the call and leaves the
+        default group's counter of group names alone, so the caller's own ``new_group`` calls stay
+        in step on every rank."""
+        if self._groups is None:
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._groups = (
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                               group_desc="uc_checkpoint_save"),
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                               group_desc="uc_checkpoint_agree"),
+            )
+        return self._groups
+
+    def _save_group(self) -> dist.ProcessGroup | None:
+        """Group for DCP's saves (collectives in a background thread); None without a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return self._group_pair()[0] if self._distributed() else self.process_group
+
+    def _agree_group(self) -> dist.ProcessGroup | None:
+        """Group for collectives the training thread issues (agreement, loads)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return self._group_pair()[1] if self._distributed() else self.process_group
 
     def _on_leader(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 of the group and hand its result (or its failure) to every rank."""
@@ -155,7 +195,7 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 error = exc
                 box[0] = ("error", f"{type(exc).__name__}: {exc}")
-        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+        dist.broadcast_object_list(box, group=self._agree_group(), group_src=0)
         status, value = box[0]
         if status == "ok":
             return value
@@ -250,15 +290,16 @@ class CheckpointManager:
         writer = UCVolumeWriter(location, staging_dir=self.staging_dir, **self.writer_options)
         leader = self._is_leader()
         run_id = active_mlflow_run_id() if leader else None
+        group = self._save_group()
         started = time.perf_counter()
         try:
             if self.async_save:
                 mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
                 fut: Future = dcp.async_save(
-                    state_dict, storage_writer=writer, process_group=self.process_group, async_checkpointer_type=mode
+                    state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode
                 )
             else:
-                metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.process_group)
+                metadata = dcp.save(state_dict, storage_writer=writer, process_group=group)
                 fut = Future()
                 fut.set_result(metadata)
         except BaseException as exc:
@@ -286,6 +327,9 @@ class CheckpointManager:
 
         self._inflight = (step, done)
         fut.add_done_callback(finished)
+        if self.async_save:
+            # A script may end right after an async save: the interpreter's exit waits for it.
+            exit_guard.watch_future(done, location.url)
         return done
 
     def _record(self, event: SaveEvent, mlflow_run_id: str | None) -> None:
@@ -405,7 +449,7 @@ class CheckpointManager:
         import torch
 
         box = torch.tensor([int(flag)])
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._agree_group())
         return bool(box.item())
 
     def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
@@ -467,7 +511,7 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(f"no published checkpoint under {self.root.url}")
         location = self.root.child(checkpoint_name(step))
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
-        dcp.load(state_dict, storage_reader=reader, process_group=self.process_group)
+        dcp.load(state_dict, storage_reader=reader, process_group=self._agree_group())
         return step
 
 

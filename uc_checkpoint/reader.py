@@ -14,8 +14,10 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import as_completed
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from . import layout, metadata_io
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError, VolumeError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError
 from .integrity import FileRecord, verify_blocks
 from .item_codec import ItemChecksumError, ItemCodec
 from .ranges import (
@@ -38,16 +40,32 @@ from .ranges import (
     plan_ranges,
 )
 from .records import TransferRecord
+from .sessions import Session, SessionOwner
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
 from .transfer import TransferPool
-from .volumes import Volume, open_volume
+from .volumes import Volume
 
 logger = logging.getLogger(__name__)
 
 _MISSING_ATTR = "_uc_missing"
 
 
-class UCVolumeReader(FileSystemReader):
+@dataclass
+class _LoadSession(Session):
+    """One load on one rank (see :mod:`uc_checkpoint.sessions`): what ``.metadata`` said, for the
+    reads that follow."""
+
+    load_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    storage_data: dict[Any, _StorageInfo] = field(default_factory=dict)
+    manifest: Mapping[str, Any] | None = None
+    records: dict[str, FileRecord] = field(default_factory=dict)
+    metadata_error: UCCheckpointError | None = None
+    min_sizes: dict[str, int] = field(default_factory=dict)
+    # (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item holds, for ItemCodec.
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+
+
+class UCVolumeReader(SessionOwner, FileSystemReader):
     """DCP storage reader for a checkpoint written to a volume by :class:`UCVolumeWriter` (or by
     DCP's own ``FileSystemWriter`` on a local path).
 
@@ -87,7 +105,12 @@ class UCVolumeReader(FileSystemReader):
             names the file.
         UnsafeMetadataError: (a ``CorruptCheckpointError``) ``.metadata`` names a global that is not
             part of DCP's metadata format; the message names it.
+
+    One reader object may serve several loads at once (each thread's load has its own state,
+    :mod:`uc_checkpoint.sessions`).
     """
+
+    session_type = _LoadSession
 
     def __init__(
         self,
@@ -111,9 +134,8 @@ class UCVolumeReader(FileSystemReader):
                 raise ValueError(f"{arg} must be >= 1, got {value}")
         if range_gap_bytes < 0:
             raise ValueError(f"range_gap_bytes must be >= 0, got {range_gap_bytes}")
+        self._init_sessions(path)
         super().__init__(path=".")
-        self.path = None  # type: ignore[assignment]  # FileSystemReader's; every read goes through the volume
-        self._location: str | Volume = path if isinstance(path, Volume) else os.fspath(path)
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         #: This rank's :class:`~uc_checkpoint.records.TransferRecord` of the last load (None before one).
         self.last_record: TransferRecord | None = None
@@ -124,45 +146,40 @@ class UCVolumeReader(FileSystemReader):
         self.range_gap_bytes = range_gap_bytes
         self.range_chunk_bytes = range_chunk_bytes
         self.allow_unsafe_metadata = allow_unsafe_metadata
-        self._manifest: Mapping[str, Any] | None = None
-        self._records: dict[str, FileRecord] = {}
-        self._metadata_error: UCCheckpointError | None = None
-        self._min_sizes: dict[str, int] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._volume: Volume | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_volume"] = None
-        return state
 
     @property
-    def volume(self) -> Volume:
-        """The checkpoint's location as a :class:`Volume` (created on first use, never pickled)."""
-        if self._volume is None:
-            self._volume = open_volume(self._location)
-        return self._volume
+    def _load(self) -> _LoadSession:
+        session = self._session
+        assert isinstance(session, _LoadSession)
+        return session
+
+    # FileSystemReader keeps these on the object; here they belong to the load (sessions.py).
+    @property
+    def storage_data(self) -> dict[Any, _StorageInfo]:  # type: ignore[override]
+        return self._load.storage_data
+
+    @storage_data.setter
+    def storage_data(self, value: dict[Any, _StorageInfo]) -> None:
+        self._load.storage_data = value
 
     @property
-    def checkpoint_id(self) -> str:  # type: ignore[override]
-        return self.volume.url
+    def load_id(self) -> str:  # type: ignore[override]
+        return self._load.load_id
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            open_volume(checkpoint_id)
-        except VolumeError:
-            return False
-        return True
+    @load_id.setter
+    def load_id(self, value: str) -> None:
+        self._load.load_id = value
+
+    @property
+    def path(self) -> None:  # type: ignore[override]
+        return None  # FileSystemReader's; every read goes through the volume
+
+    @path.setter
+    def path(self, value: Any) -> None:
+        pass
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        super().reset(None)
-        if checkpoint_id:
-            self._location = os.fspath(checkpoint_id)
-            self._volume = None
-        self._manifest = None
-        self._records = {}
-        self._metadata_error = None
+        self._reset_location(checkpoint_id)
 
     # ---- metadata -----------------------------------------------------------------------------
     def load_metadata(self, rank: int | None = None) -> Metadata:
@@ -188,11 +205,13 @@ class UCVolumeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
+        if rank is None:  # DCP's first call of a load (a retry for rank-local metadata passes rank)
+            self._begin_session()
         try:
             metadata = self.load_metadata(rank)
         except UCCheckpointError as exc:
             if rank is None:
-                self._metadata_error = exc
+                self._load.metadata_error = exc
                 raise
             # DCP retries with rank-local metadata and, when that fails too, replaces our error with
             # a bare AssertionError. Hand it a placeholder so that set_up_storage_reader raises the
@@ -206,14 +225,14 @@ class UCVolumeReader(FileSystemReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        load = self._load
         if getattr(metadata, _MISSING_ATTR, False):
-            raise self._metadata_error or CheckpointNotFoundError(f"no checkpoint at {self.volume.url}")
+            raise load.metadata_error or CheckpointNotFoundError(f"no checkpoint at {self.volume.url}")
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._manifest = layout.manifest_of(metadata)
-        self._records = layout.manifest_records(self._manifest)
-        self._min_sizes = layout.referenced_files(metadata)
-        # (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item holds, for ItemCodec.
-        self._chunks = {
+        load.manifest = layout.manifest_of(metadata)
+        load.records = layout.manifest_records(load.manifest)
+        load.min_sizes = layout.referenced_files(metadata)
+        load.chunks = {
             (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
             for fqn, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
@@ -223,7 +242,7 @@ class UCVolumeReader(FileSystemReader):
     # ---- data ---------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         volume = self.volume
-        rank = self.rank if self.rank is not None else 0
+        rank = self._rank()
         ranged = volume.prefers_ranged_reads if self.prefetch_files is None else not self.prefetch_files
         started = time.perf_counter()
         retries_before = volume.retries
@@ -255,10 +274,11 @@ class UCVolumeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         cache = create_staging_dir(staging_dir_for(self.staging_dir, "load", volume.url, self.load_id, rank))
         nbytes = 0
+        load = self._load  # fetch runs in pool threads, which have no session of their own
 
         def fetch(name: str) -> FileRecord:
             record = volume.download_file(name, cache / name)
-            self._verify_file(volume, record, self._min_sizes.get(name, 0))
+            self._verify_file(volume, record, load)
             return record
 
         pool = TransferPool(self.download_workers, name=f"uc-download-r{rank}")
@@ -289,11 +309,12 @@ class UCVolumeReader(FileSystemReader):
         for item in plan.items:
             info: _StorageInfo = self.storage_data[item.storage_index]
             spans.append((info.relative_path, info.offset, info.length, item))
-        sizes = {name: rec.size for name, rec in self._records.items()}
-        blocks = {name: rec.block_size for name, rec in self._records.items()} if self.verify_checksums else {}
+        records = self._load.records
+        sizes = {name: rec.size for name, rec in records.items()}
+        blocks = {name: rec.block_size for name, rec in records.items()} if self.verify_checksums else {}
         requests = plan_ranges(
             spans,
-            file_sizes={**self._min_sizes, **sizes},
+            file_sizes={**self._load.min_sizes, **sizes},
             block_sizes=blocks,
             gap_bytes=self.range_gap_bytes,
             max_range_bytes=max(DEFAULT_MAX_RANGE_BYTES, self.range_chunk_bytes),
@@ -356,7 +377,7 @@ class UCVolumeReader(FileSystemReader):
     def _deserialise_range(
         self, volume: Volume, req: RangeRequest[ReadItem], data: memoryview, planner: LoadPlanner, codec: ItemCodec
     ) -> None:
-        record = self._records.get(req.name)
+        record = self._load.records.get(req.name)
         if record is not None and self.verify_checksums:
             verify_blocks(data, req.start, record, volume.describe(req.name))
         for item in req.items:
@@ -376,7 +397,7 @@ class UCVolumeReader(FileSystemReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(data))
             return
-        saved = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        saved = self._load.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         try:
             tensor = codec.decode(data, *saved) if saved is not None else None
         except ItemChecksumError as exc:
@@ -395,9 +416,10 @@ class UCVolumeReader(FileSystemReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
-    def _verify_file(self, volume: Volume, record: FileRecord, min_size: int) -> None:
+    def _verify_file(self, volume: Volume, record: FileRecord, load: _LoadSession) -> None:
         where = volume.describe(record.name)
-        expected = self._records.get(record.name)
+        expected = load.records.get(record.name)
+        min_size = load.min_sizes.get(record.name, 0)
         if expected is not None:
             if record.size != expected.size:
                 raise CorruptCheckpointError(

@@ -36,9 +36,10 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,7 +60,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import layout, metadata_io
+from . import exit_guard, layout, metadata_io
 from .errors import (
     CheckpointExistsError,
     LocationNotEmptyError,
@@ -67,14 +68,14 @@ from .errors import (
     StagingError,
     TransferError,
     UCCheckpointError,
-    VolumeError,
 )
 from .item_codec import ItemCodec
 from .records import TransferRecord
+from .sessions import Session, SessionOwner
 from .snapshot import UnsupportedSnapshot, cpu_snapshot
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
 from .transfer import TransferGroup, TransferPool
-from .volumes import FileRecord, Volume, open_volume
+from .volumes import FileRecord, Volume
 
 try:  # the version string DCP stamps into .metadata
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -113,6 +114,33 @@ class _UploadedStorageInfo(_StorageInfo):
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
 
 
+def _new_token() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@dataclass
+class _SaveSession(Session):
+    """One save on one rank (see :mod:`uc_checkpoint.sessions`).
+
+    Attributes:
+        token: random part of this save's data-file and marker names, so a save never reuses the
+            names of a published checkpoint's files, even when one writer object saves twice.
+        save_id: recorded in the manifest and ``StorageMeta``.
+        published_digest: sha256 of the ``.metadata`` published at the location when the save
+            started (``""`` for none; None until checked): a change by ``finish`` means another save
+            published meanwhile.
+        staging: this rank's staging directory while ``write_data`` runs.
+        ticket: keeps the interpreter's exit waiting while the save is in flight.
+    """
+
+    token: str = field(default_factory=_new_token)
+    save_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    is_coordinator: bool = False
+    published_digest: str | None = None
+    staging: Path | None = None
+    ticket: exit_guard.SaveTicket | None = None
+
+
 class _StagingFileSystem(FileSystem):
     """DCP's local filesystem that reports every data file it finishes writing."""
 
@@ -128,13 +156,8 @@ class _StagingFileSystem(FileSystem):
         if callback is not None and "w" in mode:
             callback(Path(path))
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["on_file_written"] = None
-        return state
 
-
-class UCVolumeWriter(FileSystemWriter):
+class UCVolumeWriter(SessionOwner, FileSystemWriter):
     """DCP storage writer for a volume: a local or FUSE path, ``s3://bucket/prefix`` or an fsspec URL.
 
     Use exactly like DCP's writers::
@@ -167,6 +190,12 @@ class UCVolumeWriter(FileSystemWriter):
         CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
         ConcurrentSaveError: another save at the same location started after this one, or published
             while this one ran (this one publishes nothing; see :mod:`uc_checkpoint.layout`).
+        TransferError: also when the ``.metadata`` read back after publishing is not this save's
+            (a mount that reports a rename or write as done and loses it): nothing is deleted then.
+
+    One writer object may serve several saves at once (overlapping ``dcp.async_save`` calls, each
+    with its own ``checkpoint_id``): each save's state is its own (:mod:`uc_checkpoint.sessions`). A
+    save still in flight when the interpreter exits is finished first (:mod:`uc_checkpoint.exit_guard`).
         StagingError: the staging directory cannot be created, is full, or was deleted mid-save.
         TransferError: an upload failed or landed with the wrong size or checksum.
     """
@@ -195,61 +224,65 @@ class UCVolumeWriter(FileSystemWriter):
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         if file_size_bytes is not None and file_size_bytes < 1:
             raise ValueError(f"file_size_bytes must be >= 1, got {file_size_bytes}")
-        location = path if isinstance(path, Volume) else os.fspath(path)
+        self._init_sessions(path)
+        self._pending_tickets: deque[exit_guard.SaveTicket] = deque()
         # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
         super().__init__(
             path=".", single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=overwrite
         )
-        self.fs = _StagingFileSystem()
-        self.path = None  # type: ignore[assignment]  # the staging dir, set per save in write_data
-        self._location: str | Volume = location
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         self.upload_workers = upload_workers
         self.file_size_bytes = file_size_bytes
         self.create_parents = create_parents
         self.sync_volume = sync_files
-        self.is_coordinator = False
-        self._save_token = uuid.uuid4().hex[:8]
-        self._volume: Volume | None = None
-        # sha256 of the .metadata published at the location when this save started ("" for none),
-        # None until the location was checked: a change by finish means another save published.
-        self._published_digest: str | None = None
         #: This rank's :class:`~uc_checkpoint.records.TransferRecord` of the last save (None before
         #: one succeeded; in DCP's PROCESS mode it stays in the background process).
         self.last_record: TransferRecord | None = None
 
+    session_type = _SaveSession
+
+    @property
+    def _save(self) -> _SaveSession:
+        session = self._session
+        assert isinstance(session, _SaveSession)
+        return session
+
+    # FileSystemWriter keeps these on the object; here they belong to the save (sessions.py).
+    @property
+    def save_id(self) -> str:  # type: ignore[override]
+        return self._save.save_id
+
+    @save_id.setter
+    def save_id(self, value: str) -> None:
+        self._save.save_id = value
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self._save.is_coordinator
+
+    @property
+    def path(self) -> Path | None:  # type: ignore[override]
+        """This save's staging directory, where DCP's serialiser writes (None outside write_data)."""
+        return self._save.staging
+
+    @path.setter
+    def path(self, value: Any) -> None:
+        pass  # FileSystemWriter's own path is never used: every byte goes through staging
+
     def __getstate__(self) -> dict[str, Any]:
-        # DCP's PROCESS mode pickles the writer: clients and pools are rebuilt on the other side.
-        state = dict(self.__dict__)
-        state["_volume"] = None
+        # DCP's PROCESS mode pickles the writer for its background process: a save staged here
+        # continues there, where the exit guard has nothing to wait for.
+        state = super().__getstate__()
+        if self._pending_tickets:
+            try:
+                self._pending_tickets.popleft().end()
+            except IndexError:
+                pass
+        state["_pending_tickets"] = deque()
         return state
 
-    # ---- identity -----------------------------------------------------------------------------
-    @property
-    def volume(self) -> Volume:
-        """The checkpoint's location as a :class:`Volume` (created on first use, never pickled)."""
-        if self._volume is None:
-            self._volume = open_volume(self._location)
-        return self._volume
-
-    @property
-    def checkpoint_id(self) -> str:  # type: ignore[override]
-        """The checkpoint's URL on the volume (recorded as ``StorageMeta.checkpoint_id``)."""
-        return self.volume.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            open_volume(checkpoint_id)
-        except VolumeError:
-            return False
-        return True
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self._location = os.fspath(checkpoint_id)
-            self._volume = None
-        self.save_id = str(uuid.uuid4())
+        self._reset_location(checkpoint_id)
 
     # ---- staging (the only part of async_save that blocks training) --------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -258,36 +291,50 @@ class UCVolumeWriter(FileSystemWriter):
         another tensor subclass (other than DTensor and Parameter)."""
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
         try:
-            return cpu_snapshot(state_dict)
+            staged = cpu_snapshot(state_dict)
         except UnsupportedSnapshot as exc:
             logger.debug("staging with DCP's stager: %s", exc)
-            return super().stage(state_dict)
+            staged = super().stage(state_dict)
+        # The save's thread does not exist yet: an exit right after async_save must still wait.
+        self._pending_tickets.append(exit_guard.open_ticket(str(self._location), background=True))
+        return staged
 
     # ---- planning -----------------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        save = self._begin_session()
+        assert isinstance(save, _SaveSession)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.is_coordinator = is_coordinator
-        # A fresh token for every save, so data files never reuse the names of a published
-        # checkpoint's files, even when one writer object saves twice to the same location.
-        self._save_token = uuid.uuid4().hex[:8]
+        save.is_coordinator = is_coordinator
+        try:
+            save.ticket = self._pending_tickets.popleft()
+        except IndexError:  # a synchronous save (or PROCESS mode's background process)
+            save.ticket = exit_guard.open_ticket(str(save.location))
+        save.ticket.bind(save.volume.url)
 
-    def _rank(self) -> int:
-        return self.rank if self.rank is not None else 0
+    def _end_save(self, error: BaseException | None = None) -> None:
+        """This rank's part of the save is over: the interpreter's exit need not wait for it."""
+        ticket = self._save.ticket
+        if ticket is not None:
+            ticket.end(error)
 
     def _staging_path(self) -> Path:
-        return staging_dir_for(self.staging_dir, "save", self.checkpoint_id, self._save_token, self._rank())
+        return staging_dir_for(self.staging_dir, "save", self.checkpoint_id, self._save.token, self._rank())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Fail in the planning step, before anything is written anywhere: probe that staging can be
-        # created (write_data creates it again), so a failed plan leaves no directory behind.
-        staging = self._staging_path()
-        create_staging_dir(staging)
-        remove_staging_dir(staging)
-        if self.is_coordinator or not self.use_collectives:
-            self._check_location()
+        try:
+            # Fail in the planning step, before anything is written anywhere: probe that staging can
+            # be created (write_data creates it again), so a failed plan leaves no directory behind.
+            staging = self._staging_path()
+            create_staging_dir(staging)
+            remove_staging_dir(staging)
+            if self.is_coordinator or not self.use_collectives:
+                self._check_location()
+        except BaseException as exc:
+            self._end_save(exc)
+            raise
         if not self.use_collectives:
             plan = dataclasses.replace(
-                plan, storage_data=_StoragePrefix(layout.data_file_prefix(self._rank(), self._save_token))
+                plan, storage_data=_StoragePrefix(layout.data_file_prefix(self._rank(), self._save.token))
             )
         return plan
 
@@ -302,12 +349,12 @@ class UCVolumeWriter(FileSystemWriter):
                 f"checkpoint location {volume.url} holds files that are not part of a checkpoint: {shown}"
             )
         meta = layout.metadata_name(None if self.use_collectives else self._rank())
-        self._published_digest = ""
+        self._save.published_digest = ""
         if meta in files:
             if not self.overwrite:
                 raise CheckpointExistsError(f"{volume.describe(meta)} exists and overwrite=False")
             logger.info("replacing the checkpoint published at %s", volume.url)
-            self._published_digest = _digest(volume.read_bytes(meta))
+            self._save.published_digest = _digest(volume.read_bytes(meta))
         # Uploads a killed save left behind (S3 multipart uploads) cost storage and are never
         # completed; no rank of this save has started uploading yet. While another save's marker is
         # there, its uploads may be live: only old ones go (gc takes the rest).
@@ -321,13 +368,13 @@ class UCVolumeWriter(FileSystemWriter):
         volume.publish_bytes(self._marker_name(), json.dumps(marker).encode(), overwrite=True)
 
     def _marker_name(self) -> str:
-        return layout.save_marker_name(self._save_token, None if self.use_collectives else self._rank())
+        return layout.save_marker_name(self._save.token, None if self.use_collectives else self._rank())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [
             plan
             if plan.storage_data is not None
-            else dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(i, self._save_token)))
+            else dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(i, self._save.token)))
             for i, plan in enumerate(plans)
         ]
 
@@ -344,9 +391,11 @@ class UCVolumeWriter(FileSystemWriter):
             file_queue.put((staging / name, name, bucket))
         return file_queue
 
-    def _serialise(self, planner: SavePlanner, file_queue: queue.Queue[tuple[Path, str, list[Any]]]) -> list[WriteResult]:
+    def _serialise(
+        self, planner: SavePlanner, file_queue: queue.Queue[tuple[Path, str, list[Any]]], fs: _StagingFileSystem
+    ) -> list[WriteResult]:
         """Write every queued data file (``thread_count`` threads); each file is handed to the upload
-        pool by ``self.fs`` as soon as it is closed. The format is DCP's (what
+        pool by ``fs`` as soon as it is closed. The format is DCP's (what
         ``FileSystemWriter`` writes with ``SerializationFormat.TORCH_SAVE``), so stock readers load it."""
         codec = ItemCodec()
         results: list[WriteResult] = []
@@ -360,7 +409,7 @@ class UCVolumeWriter(FileSystemWriter):
                         path, storage_key, items = file_queue.get_nowait()
                     except queue.Empty:
                         return
-                    written = self._serialise_file(path, storage_key, items, planner, codec)
+                    written = self._serialise_file(path, storage_key, items, planner, codec, fs)
                     with lock:
                         results.extend(written)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
@@ -379,7 +428,8 @@ class UCVolumeWriter(FileSystemWriter):
         return results
 
     def _serialise_file(
-        self, path: Path, storage_key: str, items: list[Any], planner: SavePlanner, codec: ItemCodec
+        self, path: Path, storage_key: str, items: list[Any], planner: SavePlanner, codec: ItemCodec,
+        fs: _StagingFileSystem,
     ) -> list[WriteResult]:
         # As DCP's writer: accelerator tensors of a synchronous save are copied to the CPU a little
         # ahead of serialisation (async saves arrive here already on the CPU).
@@ -392,7 +442,7 @@ class UCVolumeWriter(FileSystemWriter):
                 loader.add(_item_size(item), item)
         loader.start_loading()
         out: list[WriteResult] = []
-        with self.fs.create_stream(path, "wb") as stream:
+        with fs.create_stream(path, "wb") as stream:
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     offset = stream.tell()
@@ -405,9 +455,19 @@ class UCVolumeWriter(FileSystemWriter):
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            fut = self._write_data(plan, planner)
+        except BaseException as exc:
+            self._end_save(exc)
+            raise
+        if self.use_collectives and not self.is_coordinator:
+            self._end_save()  # what is left on this rank is DCP's collectives, which need no pools
+        return fut
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         volume = self.volume
         staging = create_staging_dir(self._staging_path())
-        self.path = staging  # type: ignore[assignment]  # where DCP's serialiser writes
+        self._save.staging = staging
         started = time.perf_counter()
         sync = self.sync_volume
         retries_before = volume.retries
@@ -428,12 +488,14 @@ class UCVolumeWriter(FileSystemWriter):
 
         pool = TransferPool(self.upload_workers, name=f"uc-upload-r{self._rank()}")
         group: TransferGroup[FileRecord] = TransferGroup(pool, f"upload to {volume.url}")
-        self.fs.on_file_written = lambda path: group.submit(upload, path)
+        # One per save: overlapping saves of one writer object each upload their own files.
+        fs = _StagingFileSystem()
+        fs.on_file_written = lambda path: group.submit(upload, path)
         try:
             try:
-                results = self._serialise(planner, self._file_queue(plan, staging))
+                results = self._serialise(planner, self._file_queue(plan, staging), fs)
             finally:
-                self.fs.on_file_written = None
+                fs.on_file_written = None
                 staging_s = time.perf_counter() - started
             records = {r.name: r for r in group.results()}
         except BaseException as exc:
@@ -446,6 +508,7 @@ class UCVolumeWriter(FileSystemWriter):
             pool.shutdown(cancel_pending=True)
             volume.close()  # its transfer threads end here; the next use makes new ones
             remove_staging_dir(staging)
+            self._save.staging = None
 
         out: list[WriteResult] = []
         for wr in results:
@@ -478,6 +541,14 @@ class UCVolumeWriter(FileSystemWriter):
 
     # ---- publishing ---------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        except BaseException as exc:
+            self._end_save(exc)
+            raise
+        self._end_save()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         volume = self.volume
         records: dict[str, FileRecord] = {}
         storage_md: dict[Any, _StorageInfo] = {}
@@ -549,14 +620,26 @@ class UCVolumeWriter(FileSystemWriter):
         rank = None if self.use_collectives else self._rank()
         meta_name = layout.metadata_name(rank)
         current = volume.read_bytes(meta_name) if meta_name in listing else None
-        if self._published_digest is not None and _digest(current) != self._published_digest:
+        if self._save.published_digest is not None and _digest(current) != self._save.published_digest:
             raise ConcurrentSaveError(
                 f"not publishing {volume.url}: another save published {volume.describe(meta_name)} while "
                 f"this one ran ({_describe_publisher(current, volume.describe(meta_name))}); that checkpoint "
                 "is kept and this save is abandoned"
             )
         superseded = self._files_of_published(volume, meta_name, current)
-        volume.publish_bytes(meta_name, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), overwrite=self.overwrite)
+        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        volume.publish_bytes(meta_name, blob, overwrite=self.overwrite)
+        # Confirm by content before anything is deleted: some mounts report a rename or a write as
+        # done and lose it, and the replaced .metadata may have exactly the new one's size. Deleting
+        # the old checkpoint's files then would lose both checkpoints.
+        landed = volume.read_bytes(meta_name)
+        if landed != blob:
+            found = "nothing" if landed is None else f"{len(landed)} bytes of other content ({_describe_publisher(landed, volume.describe(meta_name))})"
+            raise TransferError(
+                f"not published: {volume.describe(meta_name)} was written ({len(blob)} bytes) but reading it back "
+                f"gives {found}; the volume lost the write. Nothing was deleted: the checkpoint that was "
+                "there (if any) and this save's data files are kept"
+            )
         logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
         self._remove_superseded_files(volume, superseded - set(records))
 

@@ -1,0 +1,44 @@
+"""A script that starts an async save and ends at once, as users write them.
+
+Usage: exit_with_save_in_flight.py KIND MODE LOCATION [PG_FILE]
+    KIND: ``writer`` (``dcp.async_save`` with ``UCVolumeWriter``) or ``manager``
+    (``CheckpointManager.save``, step 5, under LOCATION as root).
+    MODE: ``thread`` or ``process`` (DCP's async_checkpointer_type; process needs PG_FILE for a
+    1-rank gloo group).
+The state holds ``w`` = 7s and ``big`` = arange(3e6) (12 MB, so the save is still running at exit).
+Prints ``SCRIPT END`` and returns without waiting.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from uc_checkpoint import UCVolumeWriter
+from uc_checkpoint.manager import CheckpointManager
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    kind, mode, location = sys.argv[1], sys.argv[2], sys.argv[3]
+    if mode == "process":
+        dist.init_process_group("gloo", init_method=f"file://{sys.argv[4]}", rank=0, world_size=1)
+    state = {"w": torch.full((1000,), 7.0), "big": torch.arange(3_000_000, dtype=torch.float32)}
+    if kind == "writer":
+        kind_of = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+        dcp.async_save(state, storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20),
+                       async_checkpointer_type=kind_of)
+    else:
+        manager = CheckpointManager(location, async_mode=mode, writer_options={"file_size_bytes": 2 << 20})
+        manager.save(5, state)
+    print("SCRIPT END", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Checkpoint saves in flight when the interpreter exits are finished before it shuts its thread pools.
+
+At a normal exit Python first runs the callbacks registered with :mod:`threading`'s private
+``_register_atexit`` (newest first), then joins non-daemon threads, and only then runs :mod:`atexit`.
+:mod:`concurrent.futures` registers one of those callbacks: it marks every ``ThreadPoolExecutor`` as
+shut down ("cannot schedule new futures after interpreter shutdown") and joins their workers. DCP's
+async save runs in such a worker and keeps running, so a writer that does its I/O in that thread, as
+stock ``FileSystemWriter`` does, still publishes. Ours hands files to thread pools (the upload pool,
+boto3's transfer manager), which that callback would refuse, and the save would be lost without a
+word. A callback registered after ``concurrent.futures`` was imported runs before its callback and
+waits here for every save this process has in flight.
+
+The registry is per process by nature (there is one interpreter exit), which is why it lives in this
+module rather than in the writer or manager objects.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401 - imported first so that our exit callback runs before its own
+import logging
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait at exit for a save that was staged but whose background thread has not started
+#: yet (it normally starts within milliseconds; DCP's PROCESS mode hands it off within seconds).
+UNSTARTED_WAIT_S = 120.0
+
+
+class SaveTicket:
+    """One save in flight on this process, as the exit callback sees it.
+
+    Opened when a save starts (``stage()`` for an async save, before its thread exists), bound to
+    the thread that runs it, ended when this rank's part is over. A save whose thread dies without
+    ending its ticket (DCP failed between our hooks) counts as over.
+    """
+
+    def __init__(self, what: str, *, background: bool = False) -> None:
+        #: The save's location (path or URL), for messages.
+        self.what = what
+        #: An async save: nobody may ever look at its future, so its failure is logged when it happens.
+        self.background = background
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.opened = time.monotonic()
+        self._ended = threading.Event()
+
+    def bind(self, what: str | None = None) -> None:
+        """The calling thread runs this save."""
+        self.thread = threading.current_thread()
+        if what:
+            self.what = what
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This rank's part of the save is over (``error``: why it failed)."""
+        if error is not None and self.error is None:
+            self.error = error
+            if self.background:
+                logger.error("checkpoint save to %s failed in the background: %s: %s", self.what,
+                             type(error).__name__, error)
+        self._ended.set()
+
+    def over(self) -> bool:
+        """Whether this rank's part of the save is over: ended, or its thread has left DCP's save.
+
+        The explicit end is not enough: when another rank fails, DCP raises between our hooks and
+        none of them runs again. A thread may outlive its save (a pool worker, or the main thread
+        itself, which runs the exit callback), so what counts is whether the thread is still inside
+        DCP's ``save``."""
+        if self._ended.is_set():
+            return True
+        thread = self.thread
+        if thread is None:
+            return False
+        if not thread.is_alive() or thread is threading.current_thread():
+            return True
+        frame = sys._current_frames().get(thread.ident or -1)
+        saver = _dcp_saver_file()
+        while frame is not None:
+            if frame.f_code.co_filename == saver:
+                return False
+            frame = frame.f_back
+        return True
+
+    def wait(self) -> None:
+        """Block until :meth:`over`, or until an unstarted save has waited ``UNSTARTED_WAIT_S``."""
+        while not self.over():
+            if self.thread is None and time.monotonic() - self.opened > UNSTARTED_WAIT_S:
+                logger.error("checkpoint save to %s never started; not waiting for it any longer", self.what)
+                return
+            self._ended.wait(0.05)
+
+
+def _dcp_saver_file() -> str:
+    """The source file of DCP's ``save``: a thread with a frame from it is still saving."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    return state_dict_saver.__file__
+
+
+class _ExitGuard:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tickets: list[SaveTicket] = []
+        self._futures: list[tuple[Future[Any], str]] = []
+        self._registered = False
+
+    def _register(self) -> None:
+        if self._registered:
+            return
+        try:
+            threading._register_atexit(self._at_exit)  # type: ignore[attr-defined]  # Python >= 3.9
+        except RuntimeError:  # already shutting down: nothing can be registered any more
+            return
+        self._registered = True
+
+    def open(self, what: str, background: bool) -> SaveTicket:
+        ticket = SaveTicket(what, background=background)
+        with self._lock:
+            self._register()
+            self._tickets = [t for t in self._tickets if not t.over()]
+            self._tickets.append(ticket)
+        return ticket
+
+    def watch(self, fut: Future[Any], what: str) -> None:
+        with self._lock:
+            self._register()
+            self._futures = [(f, w) for f, w in self._futures if not f.done()]
+            self._futures.append((fut, what))
+
+    def _at_exit(self) -> None:
+        with self._lock:
+            tickets = [t for t in self._tickets if not t.over()]
+            futures = [(f, w) for f, w in self._futures if not f.done()]
+        if not tickets and not futures:
+            return
+        names = sorted({t.what for t in tickets} | {w for _f, w in futures})
+        logger.warning("interpreter exiting: waiting for %d checkpoint save(s) in flight to finish, to %s",
+                       len(names), ", ".join(names))
+        for ticket in tickets:
+            ticket.wait()
+        # A failed background save has logged its error already; a foreground one raised it.
+        failed: dict[str, BaseException] = {}
+        for fut, what in futures:
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - reported below; nobody else will see it
+                failed.setdefault(what, exc)
+        for what, exc in failed.items():
+            logger.error("checkpoint save to %s, in flight at interpreter exit, failed: %s: %s",
+                         what, type(exc).__name__, exc)
+        if not failed:
+            logger.info("checkpoint saves in flight at exit finished, to %s", ", ".join(names))
+
+
+_GUARD = _ExitGuard()
+
+
+def open_ticket(what: str, *, background: bool = False) -> SaveTicket:
+    """Register a save in flight; the interpreter's exit waits until it is over. ``background``:
+    an async save, whose failure is logged (at ERROR) when it happens."""
+    return _GUARD.open(what, background)
+
+
+def watch_future(fut: Future[Any], what: str) -> None:
+    """The interpreter's exit waits for ``fut`` (a save's future) and logs its error, if any."""
+    _GUARD.watch(fut, what)
+
+
+__all__ = ["SaveTicket", "UNSTARTED_WAIT_S", "open_ticket", "watch_future"]
