@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .checkpoints import list_checkpoints
-from .errors import UCCheckpointError, VolumeError, one_line
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError, one_line
 from .layout import manifest_of, manifest_records, referenced_files
 from .reader import UCVolumeReader
 from .volumes import LocalVolume, Volume, open_volume
@@ -76,9 +76,13 @@ class CheckpointSummary:
 def list_root(root: str | Volume) -> list[CheckpointSummary]:
     """Every step location under ``root``, oldest first.
 
+    A checkpoint is ``"broken"`` only on evidence of damage (a missing or short file, an
+    undecodable or unsafe ``.metadata``); a store that fails to answer is an error, never a state.
+
     Raises:
         VolumeError: a local root is missing or not a directory.
-        VolumeError / TransferError: the root cannot be listed.
+        VolumeError / TransferError: the root, a location or a ``.metadata`` cannot be read (the
+            store's client has retried already).
     """
     volume = root if isinstance(root, Volume) else open_volume(root)
     if isinstance(volume, LocalVolume) and not volume.root.is_dir():
@@ -93,8 +97,10 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
         if published:
             try:
                 problem = missing_or_short(location, UCVolumeReader(location).load_metadata(), files)
-            except UCCheckpointError as exc:
+            except CorruptCheckpointError as exc:
                 problem = str(exc)
+            except CheckpointNotFoundError:
+                published = False  # unpublished (retention, a re-save) since it was listed
         state = "incomplete" if not published else ("broken" if problem else "complete")
         out.append(CheckpointSummary(
             step=step, name=name, location=location.url, state=state, bytes=sum(files.values()),

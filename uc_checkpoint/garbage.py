@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoints import list_checkpoints
-from .errors import UCCheckpointError, VolumeError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
 from .layout import METADATA_NAME, data_file_names, is_checkpoint_file
 from .reader import UCVolumeReader
 from .staging import default_staging_root
@@ -62,9 +62,15 @@ def _collect_location(
     if published:
         try:
             metadata = UCVolumeReader(location).load_metadata()
-        except UCCheckpointError as exc:
+        except CorruptCheckpointError as exc:
             # Unreadable metadata: we cannot tell which files it needs. Leave all of it for a human.
             logger.warning("gc: leaving %s alone: %s", location.url, exc)
+            report.spared_locations.append(location.url)
+            return
+        except CheckpointNotFoundError:
+            # Unpublished since it was listed (retention, or a re-save on a mount that cannot
+            # replace files): its files are in motion; the next run sees what became of them.
+            logger.info("gc: leaving %s alone: its %s disappeared while collecting", location.url, METADATA_NAME)
             report.spared_locations.append(location.url)
             return
         needed = data_file_names(metadata)
@@ -132,10 +138,15 @@ def collect_garbage(
     Never deletes a ``.metadata``, a file it references, or a file whose name no save produces. Run it on one process (rank 0 or a
     cron job). Returns a :class:`GCReport`.
 
+    A store error (a listing, a ``HEAD`` or a ``.metadata`` read that fails after the client's
+    retries) stops the collection with that error before anything more is deleted: what a location
+    needs is never guessed from a store that did not answer.
+
     Raises:
         ValueError: ``grace_s`` is negative.
         VolumeError: a local root is missing or not a directory.
-        VolumeError / TransferError: the root cannot be listed.
+        VolumeError / TransferError: the root, a location or a ``.metadata`` cannot be read; the
+            message names it.
     """
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")

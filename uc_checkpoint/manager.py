@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from . import exit_guard, layout
 from .checkpoints import checkpoint_name, list_checkpoints
-from .errors import CheckpointNotFoundError, TransferError, UCCheckpointError, VolumeError, one_line
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, VolumeError, one_line
 from .describe import missing_or_short
 from .layout import METADATA_NAME
 from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
@@ -206,6 +206,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------ listing
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried on :class:`TransferError` (``list_attempts`` attempts, backoff doubling
+        from ``list_backoff_s`` seconds up to 10 s).
+
+        Raises:
+            VolumeError: still failing after the last attempt (the TransferError is its cause);
+                other errors of ``fn`` are raised at once.
+        """
         delay = self.list_backoff_s
         for attempt in range(1, self.list_attempts + 1):
             try:
@@ -236,13 +243,26 @@ class CheckpointManager:
 
     def _problem(self, info: CheckpointInfo) -> str | None:
         """Why the published checkpoint ``info`` cannot be loaded, or None when it looks intact:
-        its ``.metadata`` loads and every data file it references is there with its recorded size."""
+        its ``.metadata`` loads and every data file it references is there with its recorded size.
+
+        Only evidence of damage makes a problem: a missing or short file, a ``.metadata`` that is
+        undecodable or unsafe (:class:`CorruptCheckpointError`), or one that vanished since the
+        listing (no longer published). A store that fails to answer proves nothing about the
+        checkpoint, so its errors are retried and then raised, never reported as a problem.
+
+        Raises:
+            VolumeError: the ``.metadata`` cannot be read or the location cannot be listed after
+                ``list_attempts`` attempts, or the store is unusable.
+        """
         location = self.root.child(info.name)
+        reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
         try:
-            metadata = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options).load_metadata()
-            files = self._retry(f"list {info.name}", location.list_files)
-        except UCCheckpointError as exc:
+            metadata = self._retry(f"read {info.name}/{METADATA_NAME}", reader.load_metadata)
+        except CorruptCheckpointError as exc:
             return str(exc)
+        except CheckpointNotFoundError as exc:
+            return f"no longer published: {exc}"
+        files = self._retry(f"list {info.name}", location.list_files)
         return missing_or_short(location, metadata, files)
 
     def _latest_local(self) -> int | None:
@@ -261,8 +281,9 @@ class CheckpointManager:
         newer ones are skipped with a warning. Rank 0 decides; every rank gets the same answer.
 
         Raises:
-            VolumeError: the root cannot be listed after ``list_attempts`` attempts, or is unusable
-                (never reported as "no checkpoint").
+            VolumeError: the root, a checkpoint's location or its ``.metadata`` cannot be read after
+                ``list_attempts`` attempts, or the store is unusable (a store error is never taken
+                for "no checkpoint" or "broken": that would silently resume from an older step).
         """
         return self._on_leader("find the latest checkpoint", self._latest_local)
 
@@ -347,16 +368,30 @@ class CheckpointManager:
             inflight[1].result()
 
     def _after_publish(self, step: int, fut: Future) -> None:
+        """Housekeeping on rank 0 after ``step`` was published: the ``latest`` pointer, then
+        retention. Each runs whatever happened to the other (a mount that refuses to replace the
+        pointer must not stop old checkpoints from being deleted, nor the reverse); a failure is
+        logged with the step and location, never raised into training."""
         if fut.cancelled() or fut.exception() is not None:
             return  # nothing published: keep everything
+        # One listing serves both; without it neither can run safely (the pointer could move back to
+        # an older step, retention could not tell what exists).
+        infos = self._housekeeping(step, "listing the checkpoints", self._list_local)
+        if infos is None:
+            return
+        # The pointer names the newest checkpoint: saving an older step again must not move it back.
+        if self.write_pointer and step >= max((i.step for i in infos if i.published), default=step):
+            self._housekeeping(step, f"writing the {POINTER_NAME} pointer", lambda: self.write_latest_pointer(step))
+        self._housekeeping(step, "retention (deleting old checkpoints)", lambda: self._prune(infos, protect={step}))
+
+    def _housekeeping(self, step: int, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None after logging its failure (housekeeping must not take training down)."""
         try:
-            infos = self._list_local()  # one listing serves the pointer and retention
-            # The pointer names the newest checkpoint: saving an older step again must not move it back.
-            if self.write_pointer and step >= max((i.step for i in infos if i.published), default=step):
-                self.write_latest_pointer(step)
-            self._prune(infos, protect={step})
-        except Exception:  # noqa: BLE001 - housekeeping must not take training down
-            logger.exception("checkpoint manager: housekeeping after publishing step %d failed", step)
+            return fn()
+        except Exception:  # noqa: BLE001 - logged with its traceback; the other steps still run
+            logger.exception("checkpoint manager: after publishing step %d under %s: %s failed",
+                             step, self.root.url, what)
+            return None
 
     def write_latest_pointer(self, step: int) -> None:
         """Write the ``latest`` pointer file (one whole-file write, no symlink: FUSE mounts often lack

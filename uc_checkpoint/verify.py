@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import CheckpointNotFoundError, UCCheckpointError, VolumeError
+from .errors import CorruptCheckpointError
 from .integrity import Digest, FileRecord
 from .describe import file_problems
 from .layout import manifest_of, manifest_records, referenced_files
@@ -74,40 +74,49 @@ def verify_checkpoint(
 
     ``progress`` is called with the number of bytes read after every range (for a progress bar).
     Problems with the checkpoint (a damaged ``.metadata``, missing, short or corrupt data files) are
-    collected in the report, not raised; a location with no checkpoint at all raises.
+    collected in the report, not raised. A location with no checkpoint at all raises, and so does a
+    store that fails to answer: that says nothing about the checkpoint, so it is never reported as a
+    problem with it.
 
     Raises:
-        VolumeError: ``location`` is not a usable path or URL, or the store cannot be reached.
+        VolumeError: ``location`` is not a usable path or URL, or the store is unusable.
+        TransferError: the store failed to list the location or to return a file's bytes (after the
+            store client's retries); the message names the file.
         CheckpointNotFoundError: no ``.metadata`` is published at ``location``.
     """
     volume = location if isinstance(location, Volume) else open_volume(location)
     report = VerifyReport(location=volume.url)
     try:
-        metadata = UCVolumeReader(volume).load_metadata()
-    except (CheckpointNotFoundError, VolumeError):
-        raise
-    except UCCheckpointError as exc:
-        report.problems.append(str(exc))
-        return report
-    records = manifest_records(manifest_of(metadata))
-    report.checksums = bool(records)
-    referenced = referenced_files(metadata)
-    report.files_checked = len(referenced)
-    bad = file_problems(volume, metadata, volume.list_files())
-    report.problems.extend(bad.values())
-    to_read = [records[name] for name in sorted(referenced) if name not in bad and name in records]
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="uc-verify") as pool:
-        futures = {pool.submit(_check_file, volume, r, progress): r for r in to_read}
-        for fut, record in futures.items():
+        try:
+            metadata = UCVolumeReader(volume).load_metadata()
+        except CorruptCheckpointError as exc:
+            report.problems.append(str(exc))
+            return report
+        records = manifest_records(manifest_of(metadata))
+        report.checksums = bool(records)
+        referenced = referenced_files(metadata)
+        report.files_checked = len(referenced)
+        bad = file_problems(volume, metadata, volume.list_files())
+        report.problems.extend(bad.values())
+        to_read = [records[name] for name in sorted(referenced) if name not in bad and name in records]
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="uc-verify") as pool:
+            futures = {pool.submit(_check_file, volume, r, progress): r for r in to_read}
             try:
-                problem = fut.result()
-            except UCCheckpointError as exc:
-                problem = str(exc)
-            report.files_checksummed += 1
-            report.bytes_checked += record.size
-            if problem:
-                report.problems.append(problem)
-    volume.close()
+                for fut, record in futures.items():
+                    try:
+                        problem = fut.result()
+                    except CorruptCheckpointError as exc:
+                        problem = str(exc)
+                    report.files_checksummed += 1
+                    report.bytes_checked += record.size
+                    if problem:
+                        report.problems.append(problem)
+            except BaseException:
+                for other in futures:  # the verdict is lost: read no more
+                    other.cancel()
+                raise
+    finally:
+        volume.close()
     logger.info("verify %s: %d files, %d bytes, %d problems", volume.url, report.files_checked,
                 report.bytes_checked, len(report.problems))
     return report

@@ -9,10 +9,19 @@ unless an ``FsspecVolume`` is built explicitly.
 
 ``memory://`` lives in one process: it works for ``dcp.save`` and THREAD-mode ``async_save``, not
 for PROCESS mode, whose daemon process sees an empty memory filesystem.
+
+Listing caches: s3fs, gcsfs and others keep every listing in ``fs.dircache`` with no expiry by
+default and answer ``ls``, ``info``, ``exists`` and ``size`` from it; fsspec also shares one
+filesystem instance per protocol and options within a process. A checkpoint another process (or
+DCP's PROCESS-mode daemon) published would then stay invisible to ``latest()`` forever, and a save's
+own checks could read a stale size. So every listing, size and read here first drops the cached
+listings of the path and its parents (``fs.invalidate_cache``) and asks ``ls``/``info`` with
+``refresh=True`` where the filesystem's method takes that argument.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -83,10 +92,31 @@ class FsspecVolume(Volume):
     def child(self, name: str) -> FsspecVolume:
         return FsspecVolume(f"{self.url}/{name.strip('/')}", **self.storage_options)
 
+    # ---- listing caches -----------------------------------------------------------------------
+    def _fresh(self, path: str) -> None:
+        """Forget what the filesystem cached about ``path`` and its directory, so that the next call
+        asks the store. s3fs and gcsfs drop the path and all its parents; the parent is named too,
+        for filesystems that drop only the path given (``info`` of a file reads its parent's
+        listing)."""
+        fs = self.fs
+        fs.invalidate_cache(path)
+        parent = path.rstrip("/").rsplit("/", 1)[0]
+        if parent and parent != path:
+            fs.invalidate_cache(parent)
+
+    def _ls(self, path: str, detail: bool = True) -> Any:
+        self._fresh(path)
+        return self.fs.ls(path, detail=detail, **_refresh_kwargs(self.fs.ls))
+
+    def _info(self, path: str) -> dict[str, Any]:
+        self._fresh(path)
+        return self.fs.info(path, **_refresh_kwargs(self.fs.info))
+
     # ---- checks -------------------------------------------------------------------------------
     def prepare_for_write(self, create_parents: bool = True) -> None:
         fs, root = self.fs, self.root
         try:
+            self._fresh(root)
             if fs.isfile(root):
                 raise VolumeError(f"checkpoint location {self.url} is a file, not a directory")
             if not create_parents and not fs.exists(root.rsplit("/", 1)[0] or "/"):
@@ -101,7 +131,7 @@ class FsspecVolume(Volume):
 
     def list_files(self) -> dict[str, int]:
         try:
-            entries = self.fs.ls(self.root, detail=True)
+            entries = self._ls(self.root)
         except FileNotFoundError:
             return {}
         except Exception as exc:  # noqa: BLE001
@@ -119,7 +149,7 @@ class FsspecVolume(Volume):
 
     def list_mtimes(self) -> dict[str, float]:
         try:
-            entries = self.fs.ls(self.root, detail=True)
+            entries = self._ls(self.root)
         except FileNotFoundError:
             return {}
         except Exception as exc:  # noqa: BLE001
@@ -139,7 +169,7 @@ class FsspecVolume(Volume):
 
     def size(self, name: str) -> int | None:
         try:
-            info = self.fs.info(self._path(name))
+            info = self._info(self._path(name))
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001
@@ -165,6 +195,7 @@ class FsspecVolume(Volume):
         where = self.describe(name)
         digest = Digest()
         try:
+            self._fresh(self._path(name))  # opening reads the size from info(), which may be cached
             with self.fs.open(self._path(name), "rb") as src, open(local_path, "wb") as dst:
                 copy_stream(src, dst, digest)
         except FileNotFoundError as exc:
@@ -176,6 +207,7 @@ class FsspecVolume(Volume):
     def read_range(self, name: str, start: int, end: int) -> bytes:
         where = self.describe(name)
         try:
+            self._fresh(self._path(name))
             data = self.fs.cat_file(self._path(name), start=start, end=end)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
@@ -189,6 +221,7 @@ class FsspecVolume(Volume):
 
     def read_bytes(self, name: str) -> bytes | None:
         try:
+            self._fresh(self._path(name))
             return bytes(self.fs.cat_file(self._path(name)))
         except FileNotFoundError:
             return None
@@ -203,6 +236,7 @@ class FsspecVolume(Volume):
             if overwrite:
                 self.fs.pipe_file(self._path(name), data)
             else:
+                self._fresh(self._path(name))
                 if self.fs.exists(self._path(name)):
                     raise FileExistsError(where)
                 self.fs.pipe_file(self._path(name), data, mode="create")
@@ -216,7 +250,7 @@ class FsspecVolume(Volume):
 
     def remove_if_empty(self) -> None:
         try:
-            if not self.fs.ls(self.root, detail=False):
+            if not self._ls(self.root, detail=False):
                 self.fs.rmdir(self.root)
         except Exception:  # noqa: BLE001 - stores without directories, or not empty: nothing to do
             pass
@@ -228,3 +262,14 @@ class FsspecVolume(Volume):
             pass
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc
+
+
+def _refresh_kwargs(method: Any) -> dict[str, Any]:
+    """``{"refresh": True}`` when ``method`` (a filesystem's ``ls`` or ``info``) names a ``refresh``
+    parameter (s3fs, gcsfs), else ``{}``: others either have no cache or would pass an unknown
+    keyword on to their store's API and fail."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # builtins and some C-implemented callables have none
+        return {}
+    return {"refresh": True} if "refresh" in params else {}

@@ -3,11 +3,13 @@
 FUSE mounts of object stores (s3fs, Mountpoint, gcsfuse, rclone) often refuse ``rename``, turn
 ``fsync`` into an upload, and misbehave on random writes. So data files are written once, in order,
 under their final names, and only ``.metadata`` is published with a temp file and rename, falling
-back to a single in-place write where rename is refused.
+back to a single in-place write where rename is refused, and to delete-then-create where the mount
+also refuses to overwrite an existing file (see :meth:`LocalVolume.publish_bytes`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -46,6 +48,25 @@ def _fsync_dir(path: Path) -> None:
         logger.debug("directory fsync failed for %s: %s", path, exc)
     finally:
         os.close(fd)
+
+
+def _write_whole(path: Path, data: bytes, mode: str) -> None:
+    """Write ``data`` as the file ``path`` (``mode`` "wb" or "xb") and fsync it; a write that fails
+    after the file was opened removes it, so no truncated file is left where a reader looks.
+
+    Raises:
+        OSError: as ``open``, ``write`` or ``fsync`` raised it.
+    """
+    f = open(path, mode)  # noqa: SIM115 - closed below, inside the try: FUSE mounts upload on close, which can fail
+    try:
+        with f:
+            f.write(data)
+            f.flush()
+            _fsync(f.fileno(), str(path))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
 
 
 class LocalVolume(Volume):
@@ -104,6 +125,8 @@ class LocalVolume(Volume):
             return out
         except NotADirectoryError as exc:
             raise VolumeError(f"checkpoint location {self.root} is a file, not a directory") from exc
+        except OSError as exc:  # EIO, ENOTCONN (a FUSE daemon that died), EACCES: not "empty"
+            raise TransferError(f"listing {self.root} failed: {exc}") from exc
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
@@ -112,6 +135,8 @@ class LocalVolume(Volume):
                     out[entry.name] = entry.stat().st_size
             except FileNotFoundError:
                 continue  # deleted while listing
+            except OSError as exc:
+                raise TransferError(f"listing {self.root} failed at {entry.name}: {exc}") from exc
         return out
 
     def list_mtimes(self) -> dict[str, float]:
@@ -120,19 +145,33 @@ class LocalVolume(Volume):
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return out
+        except OSError as exc:
+            raise TransferError(f"listing {self.root} failed: {exc}") from exc
         for entry in entries:
             try:
                 if not entry.is_dir(follow_symlinks=False):
                     out[entry.name] = entry.stat().st_mtime
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                raise TransferError(f"listing {self.root} failed at {entry.name}: {exc}") from exc
         return out
 
     def size(self, name: str) -> int | None:
+        """Size of ``name`` in bytes, or None when it does not exist.
+
+        Raises:
+            VolumeError: the location is a file.
+            TransferError: the file system failed to answer (not taken for "missing").
+        """
         try:
             return self._path(name).stat().st_size
         except FileNotFoundError:
             return None
+        except NotADirectoryError as exc:
+            raise VolumeError(f"cannot stat {self._path(name)}: a component of {self.root} is a file") from exc
+        except OSError as exc:
+            raise TransferError(f"stat of {self._path(name)} failed: {exc}") from exc
 
     # ---- data movement ------------------------------------------------------------------------
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
@@ -196,6 +235,33 @@ class LocalVolume(Volume):
             raise TransferError(f"reading {self._path(name)} failed: {exc}") from exc
 
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        """Write the small file ``name`` (``.metadata``, the ``latest`` pointer, a save marker)
+        so that readers see the old content or all of the new, where the mount allows it.
+
+        In order of preference:
+
+        1. a temp file, fsync, then ``rename`` over ``name`` (``link`` with ``overwrite=False``, which
+           fails if ``name`` exists): atomic;
+        2. where the mount refuses rename/link (FUSE mounts of object stores): ``name`` written once
+           in place (created exclusively with ``overwrite=False``); such mounts upload the file when
+           it is closed, so it appears whole;
+        3. where the mount also refuses to open an existing file for writing (EPERM/EACCES:
+           Mountpoint for S3 without ``--allow-overwrite``) and ``overwrite`` is true: the old file
+           is deleted, then the new one created. This is not atomic. For the ``latest`` pointer the
+           gap only means no pointer for a moment. For the ``.metadata`` of a checkpoint saved again
+           at the same location it means the old checkpoint is unpublished until the new
+           ``.metadata`` lands (a reader finds no checkpoint there, ``latest()`` skips it), and a
+           crash in between leaves the location unpublished: the old checkpoint is lost but nothing
+           is ever published over missing data, because the writer publishes only after every new
+           data file has landed, and deletes the old ones only after that.
+
+        A write that fails midway removes its partial file rather than leave a truncated one.
+
+        Raises:
+            CheckpointExistsError: ``overwrite=False`` and ``name`` exists.
+            TransferError: the write failed; with the delete-then-create path after the delete, the
+                message says that the old file is gone.
+        """
         dest = self._path(name)
         if not overwrite and dest.exists():
             raise CheckpointExistsError(f"{dest} already exists and overwrite=False")
@@ -226,16 +292,39 @@ class LocalVolume(Volume):
             # once; on such mounts the object appears whole when the file is closed.
             logger.info("rename refused on %s (%s); writing %s in place", self.url, exc, name)
             tmp.unlink(missing_ok=True)
-            try:
-                with open(dest, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    _fsync(f.fileno(), str(dest))
-            except OSError as exc2:
-                raise TransferError(f"publishing {dest} failed: {exc2}") from exc2
+            self._write_in_place(dest, data, overwrite)
         _fsync_dir(self.root)
         if self.size(name) != len(data):
             raise TransferError(f"publishing {dest}: size on the volume differs from {len(data)} bytes")
+
+    def _write_in_place(self, dest: Path, data: bytes, overwrite: bool) -> None:
+        """Steps 2 and 3 of :meth:`publish_bytes` (rename is refused)."""
+        try:
+            _write_whole(dest, data, "wb" if overwrite else "xb")
+            return
+        except FileExistsError as exc:  # "xb": another writer published first
+            raise CheckpointExistsError(f"{dest} already exists and overwrite=False") from exc
+        except OSError as exc:
+            if not (overwrite and exc.errno in (errno.EPERM, errno.EACCES) and dest.exists()):
+                raise TransferError(f"publishing {dest} failed: {exc}") from exc
+            refused = exc
+        logger.info("%s refuses to overwrite existing files (%s); replacing %s by deleting it, then "
+                    "creating it (not atomic)", self.url, refused, dest.name)
+        try:
+            dest.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise TransferError(
+                f"publishing {dest} failed: the mount refuses to overwrite it ({refused}) and to delete it ({exc})"
+            ) from exc
+        try:
+            _write_whole(dest, data, "xb")
+        except OSError as exc:
+            raise TransferError(
+                f"publishing {dest} failed after the old file was deleted (the mount refuses overwrites), "
+                f"so there is none now: {exc}"
+            ) from exc
 
     def remove_if_empty(self) -> None:
         try:
