@@ -244,12 +244,17 @@ def test_metadata_vanishing_between_listing_and_reading_is_not_published(store: 
     direct = s3_client(store.server)
     get_metadata = KINDS["get-metadata"]
 
+    armed = [True]
+
     def vanish(method: str, target: str) -> bool:
-        if get_metadata(method, target):
+        if armed[0] and get_metadata(method, target):
             direct.delete_object(Bucket=store.bucket, Key=f"run/{NEWEST}/.metadata")
         return False
 
     store.proxy.match = vanish
     assert store.manager.latest() == 1
+    armed[0] = False  # the save reads its .metadata back to confirm the publish
     store.manager.save(2, state(2))  # published again
+    store.manager.wait()
+    armed[0] = True
     assert [(r.step, r.state) for r in list_root(store.root)][1] == (2, "incomplete")
