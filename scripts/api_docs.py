@@ -24,6 +24,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.data_tracker", ["DataTracker", "ShardSpec"]),
     ("uc_checkpoint.data_loading", ["TrackedDataLoader", "TrackedShardDataset", "TrackerStateful"]),
     ("uc_checkpoint.garbage", ["collect_garbage", "GCReport"]),
+    ("uc_checkpoint.lineage", ["retention_plan", "abandonment_marker", "marker_applies"]),
     ("uc_checkpoint.describe", ["list_root", "describe_checkpoint", "CheckpointSummary"]),
     ("uc_checkpoint.verify", ["verify_checkpoint", "VerifyReport"]),
     ("uc_checkpoint.records", ["TransferRecord", "SaveEvent"]),

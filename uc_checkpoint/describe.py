@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .checkpoints import list_checkpoints
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError, one_line
-from .layout import manifest_of, manifest_records, referenced_files
+from .layout import ABANDONED_NAME, manifest_of, manifest_records, referenced_files
+from .lineage import describe_marker, marker_applies
 from .reader import UCVolumeReader
 from .volumes import LocalVolume, Volume, open_volume
 
@@ -55,12 +56,14 @@ class CheckpointSummary:
         name: the location's name under the root.
         location: its full path or URL.
         state: ``"complete"`` (published, every data file there with its size), ``"incomplete"``
-            (no ``.metadata``: a save in progress or one that failed) or ``"broken"`` (published but
-            a file is missing, short or the metadata unreadable; see ``problem``).
+            (no ``.metadata``: a save in progress or one that failed), ``"broken"`` (published but
+            a file is missing, short or the metadata unreadable; see ``problem``) or
+            ``"abandoned"`` (complete, but on a branch a rollback left: ``latest()`` skips it; see
+            :mod:`uc_checkpoint.lineage`).
         bytes: total size of the files at the location, in bytes.
         files: number of data files at the location.
         age_s: seconds since the newest file there was written (None when the store has no times).
-        problem: what is wrong with a broken checkpoint, else None.
+        problem: what is wrong with a broken checkpoint (or which rollback abandoned it), else None.
     """
 
     step: int
@@ -94,14 +97,20 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
         files = {n: s for n, s in location.list_files().items() if s >= 0}
         mtimes = location.list_mtimes()
         problem = None
+        abandoned = False
         if published:
             try:
-                problem = missing_or_short(location, UCVolumeReader(location).load_metadata(), files)
+                metadata = UCVolumeReader(location).load_metadata()
+                problem = missing_or_short(location, metadata, files)
+                if problem is None and ABANDONED_NAME in files:
+                    raw = location.read_bytes(ABANDONED_NAME)
+                    if marker_applies(raw, manifest_of(metadata)):
+                        abandoned, problem = True, describe_marker(raw)
             except CorruptCheckpointError as exc:
                 problem = str(exc)
             except CheckpointNotFoundError:
                 published = False  # unpublished (retention, a re-save) since it was listed
-        state = "incomplete" if not published else ("broken" if problem else "complete")
+        state = "incomplete" if not published else ("abandoned" if abandoned else "broken" if problem else "complete")
         out.append(CheckpointSummary(
             step=step, name=name, location=location.url, state=state, bytes=sum(files.values()),
             files=sum(1 for n in files if n.endswith(".distcp")),

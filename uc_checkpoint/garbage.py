@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .checkpoints import list_checkpoints
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
-from .layout import METADATA_NAME, data_file_names, is_checkpoint_file
+from .layout import ABANDONED_NAME, METADATA_NAME, data_file_names, is_checkpoint_file
 from .reader import UCVolumeReader
 from .staging import default_staging_root
 from .volumes import LocalVolume, Volume, open_volume
@@ -74,7 +74,8 @@ def _collect_location(
             report.spared_locations.append(location.url)
             return
         needed = data_file_names(metadata)
-        candidates = {n for n in sizes if n != METADATA_NAME and n not in needed}
+        # A rollback's marker belongs to the published checkpoint (uc_checkpoint.lineage).
+        candidates = {n for n in sizes if n not in (METADATA_NAME, ABANDONED_NAME) and n not in needed}
     else:
         candidates = set(sizes)
     if not candidates:

@@ -40,6 +40,11 @@ MANIFEST_ATTR = "uc_manifest"
 MANIFEST_FORMAT = 2
 _READABLE_FORMATS = (1, 2)
 
+#: Left by a CheckpointManager in a published checkpoint that a rollback abandoned (JSON; see
+#: :mod:`uc_checkpoint.lineage`). It annotates the checkpoint: a save that replaces the checkpoint
+#: deletes it, garbage collection never does.
+ABANDONED_NAME = ".uc-abandoned"
+
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 _SAVE_MARKER = re.compile(r"^(?:__(\d+))?\.uc-save-([0-9a-f]{8,32})$")
@@ -55,6 +60,7 @@ def is_checkpoint_file(name: str) -> bool:
     return (
         name == METADATA_NAME
         or name == METADATA_NAME + ".tmp"  # stock FileSystemWriter's temp file
+        or name == ABANDONED_NAME
         or name.endswith(DATA_SUFFIX)
         or bool(_RANK_METADATA.match(name))
         or bool(_TEMP.match(name))

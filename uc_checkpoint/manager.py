@@ -31,11 +31,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from . import exit_guard, layout
+from . import exit_guard, layout, lineage
 from .checkpoints import checkpoint_name, list_checkpoints
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, VolumeError, one_line
 from .describe import missing_or_short
-from .layout import METADATA_NAME
+from .layout import ABANDONED_NAME, METADATA_NAME
 from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
 from .reader import UCVolumeReader
 from .volumes import Volume, open_volume
@@ -140,6 +140,11 @@ class CheckpointManager:
         self._previous_handlers: dict[int, Any] = {}
         # (background group for DCP's saves, foreground group for agreement), made on first use.
         self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        # Lineage (see uc_checkpoint.lineage): the step this manager loaded, whether its first save
+        # checked for a rollback, and the steps known to be abandoned (rank 0).
+        self._resumed_from: int | None = None
+        self._lineage_checked = False
+        self._abandoned: set[int] = set()
 
     # ------------------------------------------------------------------ ranks
 
@@ -242,8 +247,9 @@ class CheckpointManager:
         return self._on_leader("list checkpoints", self._list_local)
 
     def _problem(self, info: CheckpointInfo) -> str | None:
-        """Why the published checkpoint ``info`` cannot be loaded, or None when it looks intact:
-        its ``.metadata`` loads and every data file it references is there with its recorded size.
+        """Why the published checkpoint ``info`` cannot be loaded or must not be resumed, or None
+        when it looks intact: its ``.metadata`` loads, every data file it references is there with
+        its recorded size, and no rollback abandoned it (:mod:`uc_checkpoint.lineage`).
 
         Only evidence of damage makes a problem: a missing or short file, a ``.metadata`` that is
         undecodable or unsafe (:class:`CorruptCheckpointError`), or one that vanished since the
@@ -263,6 +269,11 @@ class CheckpointManager:
         except CheckpointNotFoundError as exc:
             return f"no longer published: {exc}"
         files = self._retry(f"list {info.name}", location.list_files)
+        if ABANDONED_NAME in files:
+            raw = self._retry(f"read {info.name}/{ABANDONED_NAME}", lambda: location.read_bytes(ABANDONED_NAME))
+            if lineage.marker_applies(raw, layout.manifest_of(metadata)):
+                self._abandoned.add(info.step)
+                return lineage.describe_marker(raw)
         return missing_or_short(location, metadata, files)
 
     def _latest_local(self) -> int | None:
@@ -272,13 +283,15 @@ class CheckpointManager:
             problem = self._problem(info)
             if problem is None:
                 return info.step
-            logger.warning("checkpoint manager: skipping checkpoint %s: %s", self.root.describe(info.name), problem)
+            log = logger.info if info.step in self._abandoned else logger.warning
+            log("checkpoint manager: skipping checkpoint %s: %s", self.root.describe(info.name), problem)
         return None
 
     def latest(self) -> int | None:
         """Step of the newest checkpoint that is published and intact (``.metadata`` loads, every
         data file it references exists with its recorded size), or None when there is none. Broken
-        newer ones are skipped with a warning. Rank 0 decides; every rank gets the same answer.
+        newer ones are skipped with a warning; ones a rollback abandoned (see :meth:`save`) are
+        skipped too. Rank 0 decides; every rank gets the same answer.
 
         Raises:
             VolumeError: the root, a checkpoint's location or its ``.metadata`` cannot be read after
@@ -298,6 +311,12 @@ class CheckpointManager:
         ``latest`` pointer and prunes old checkpoints (in the background for async saves; failures
         there are logged, never raised into training).
 
+        Rollbacks: the first save of this manager below published steps (the run was resumed from
+        an older checkpoint, e.g. ``load(state, step=100)`` after a loss spike, or started afresh)
+        marks those newer checkpoints as an abandoned branch, with a warning: :meth:`latest` skips
+        them and retention deletes them before any checkpoint of the current line. Loading an
+        abandoned step and saving from it takes it back. See :mod:`uc_checkpoint.lineage`.
+
         Raises:
             TypeError: ``step`` is not an int.
             ValueError: ``step`` is negative.
@@ -307,6 +326,9 @@ class CheckpointManager:
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         name = checkpoint_name(step)
         self.wait()
+        if not self._lineage_checked:
+            self._on_leader("check for a rollback", lambda: self._check_rollback(step))
+            self._lineage_checked = True
         location = self.root.child(name)
         writer = UCVolumeWriter(location, staging_dir=self.staging_dir, **self.writer_options)
         leader = self._is_leader()
@@ -353,6 +375,40 @@ class CheckpointManager:
             exit_guard.watch_future(done, location.url)
         return done
 
+    def _check_rollback(self, step: int) -> list[int]:
+        """Rank 0, before this manager's first save: mark the published steps above ``step`` as
+        abandoned, and take back the step this manager resumed from if it was abandoned; returns
+        the steps abandoned now."""
+        infos = self._list_local()
+        resumed = self._resumed_from
+        if resumed is not None:
+            location = self.root.child(checkpoint_name(resumed))
+            if location.size(ABANDONED_NAME) is not None:
+                location.delete(ABANDONED_NAME)
+                logger.warning("checkpoint manager: step %d, abandoned by an earlier rollback, was loaded and "
+                               "is saved from: it is part of the run's line again", resumed)
+        newer = lineage.newer_published([i.step for i in infos if i.published], step)
+        marked = []
+        for old in newer:
+            if old == resumed:
+                continue
+            location = self.root.child(checkpoint_name(old))
+            reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
+            try:
+                save_id = (layout.manifest_of(self._retry(f"read {location.url}", reader.load_metadata)) or {}).get("save_id")
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                continue  # broken or gone: latest() skips it anyway
+            location.publish_bytes(ABANDONED_NAME, lineage.abandonment_marker(save_id, step, resumed), overwrite=True)
+            self._abandoned.add(old)
+            marked.append(old)
+        if marked:
+            logger.warning(
+                "checkpoint manager: saving step %d under %s, below published step(s) %s: treating this as a "
+                "rollback. Those checkpoints are now an abandoned branch (a %s file in each): latest() skips "
+                "them and retention deletes them first. To return to one, load it with load(state, step=N) "
+                "and save from it.", step, self.root.url, marked, ABANDONED_NAME)
+        return marked
+
     def _record(self, event: SaveEvent, mlflow_run_id: str | None) -> None:
         self.last_save = event
         if event.ok:
@@ -379,8 +435,10 @@ class CheckpointManager:
         infos = self._housekeeping(step, "listing the checkpoints", self._list_local)
         if infos is None:
             return
-        # The pointer names the newest checkpoint: saving an older step again must not move it back.
-        if self.write_pointer and step >= max((i.step for i in infos if i.published), default=step):
+        # The pointer names the newest checkpoint of the run's line: saving an older step again must
+        # not move it back (abandoned steps do not count).
+        current = [i.step for i in infos if i.published and i.step not in self._abandoned]
+        if self.write_pointer and step >= max(current, default=step):
             self._housekeeping(step, f"writing the {POINTER_NAME} pointer", lambda: self.write_latest_pointer(step))
         self._housekeeping(step, "retention (deleting old checkpoints)", lambda: self._prune(infos, protect={step}))
 
@@ -416,7 +474,9 @@ class CheckpointManager:
 
         Kept: the ``keep_last`` newest published checkpoints, steps that are multiples of
         ``keep_every``, ``protect``, the save in flight, and everything newer than the oldest kept
-        checkpoint (unpublished locations are left to garbage collection). A checkpoint is unpublished
+        checkpoint (unpublished locations are left to garbage collection). After a rollback,
+        abandoned checkpoints count as older than every checkpoint of the run's current line
+        (:func:`uc_checkpoint.lineage.retention_plan`). A checkpoint is unpublished
         first (``.metadata`` deleted), then its data files: a crash midway leaves an unpublished
         location, never a published one with missing files. Call on one rank only (the manager
         calls it on rank 0 after each publish).
@@ -427,18 +487,22 @@ class CheckpointManager:
         if self.keep_last is None:
             return []
         published = [i for i in infos if i.published]
-        keep = {i.step for i in published[-self.keep_last :]} | set(protect)
+        keep = set(protect)
         if self._inflight is not None:
             keep.add(self._inflight[0])
-        if self.keep_every:
-            keep |= {i.step for i in published if i.step % self.keep_every == 0}
-        oldest_kept = min((i.step for i in published[-self.keep_last :]), default=None)
-        deleted = []
+        # Only steps above the one just saved can belong to an abandoned branch this manager has not
+        # seen yet (another run's rollback): usually none, so this costs no request.
+        above = max(protect, default=None)
         for info in published:
-            if info.step in keep or oldest_kept is None or info.step >= oldest_kept:
-                continue
-            self._delete_checkpoint(info)
-            deleted.append(info.step)
+            if above is not None and info.step > above and info.step not in self._abandoned:
+                self._problem(info)  # records the step as abandoned when its marker applies
+        plan = lineage.retention_plan([(i.step, i.step in self._abandoned) for i in published],
+                                      keep_last=self.keep_last, keep_every=self.keep_every, protect=keep)
+        by_step = {i.step: i for i in published}
+        deleted = []
+        for step in plan:
+            self._delete_checkpoint(by_step[step])
+            deleted.append(step)
         if deleted:
             logger.info("checkpoint manager: deleted checkpoints %s under %s (keep_last=%s, keep_every=%s)",
                         deleted, self.root.url, self.keep_last, self.keep_every)
@@ -547,6 +611,7 @@ class CheckpointManager:
         location = self.root.child(checkpoint_name(step))
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
         dcp.load(state_dict, storage_reader=reader, process_group=self._agree_group())
+        self._resumed_from = step
         return step
 
 

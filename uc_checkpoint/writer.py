@@ -641,7 +641,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                 "there (if any) and this save's data files are kept"
             )
         logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
-        self._remove_superseded_files(volume, superseded - set(records))
+        # A rollback's abandonment marker annotated the checkpoint just replaced (uc_checkpoint.lineage).
+        stale = {layout.ABANDONED_NAME} if rank is None and layout.ABANDONED_NAME in listing else set()
+        self._remove_superseded_files(volume, (superseded - set(records)) | stale)
 
     def _files_of_published(self, volume: Volume, meta_name: str, raw: bytes | None) -> set[str]:
         """Data files the ``.metadata`` about to be replaced (``raw``) references (empty when it
