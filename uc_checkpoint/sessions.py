@@ -72,10 +72,11 @@ class SessionOwner:
         if entry is not None and entry[1].fresh:
             entry[1].fresh = False
             return entry[1]
-        return self._new_session(fresh=False)
+        # A thread's saves stay where its last reset(checkpoint_id) pointed, whatever other threads do.
+        return self._new_session(entry[1].location if entry is not None else self._location, fresh=False)
 
-    def _new_session(self, *, fresh: bool) -> Session:
-        session = self.session_type(self._location, fresh=fresh)
+    def _new_session(self, location: str | Volume, *, fresh: bool) -> Session:
+        session = self.session_type(location, fresh=fresh)
         thread = threading.current_thread()
         with self._sessions_lock:
             # Threads of finished async saves are gone: drop their sessions.
@@ -87,10 +88,14 @@ class SessionOwner:
         """``reset``'s common part: ``checkpoint_id`` (when given) becomes the location of this
         thread's next save or load (and of later ones that pass none, as with DCP's own storage
         classes); returns the fresh session."""
+        entry = self._sessions.get(threading.get_ident())
+        location = entry[1].location if entry is not None else self._location
         if checkpoint_id:
-            self._location = os.fspath(checkpoint_id)
-            self._idle = self.session_type(self._location)
-        return self._new_session(fresh=True)
+            # The argument, not self._location: another thread may reset it at the same moment.
+            location = os.fspath(checkpoint_id)
+            self._location = location
+            self._idle = self.session_type(location)
+        return self._new_session(location, fresh=True)
 
     # ---- identity -----------------------------------------------------------------------------
     @property
