@@ -75,7 +75,10 @@ class SaveTicket:
             return True
         thread = self.thread
         if thread is None:
-            return False
+            # Staged, not yet started: DCP's THREAD executor starts its worker (named with this
+            # prefix) inside async_save, before it returns. Without one, nothing will run this save
+            # here (stage() called alone, or PROCESS mode, whose own executor thread Python joins).
+            return not any(t.name.startswith(_DCP_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
         if not thread.is_alive() or thread is threading.current_thread():
             return True
         frame = sys._current_frames().get(thread.ident or -1)
@@ -93,6 +96,11 @@ class SaveTicket:
                 logger.error("checkpoint save to %s never started; not waiting for it any longer", self.what)
                 return
             self._ended.wait(0.05)
+
+
+#: Thread-name prefix of DCP's THREAD-mode async save executor (torch 2.6-2.14:
+#: ``_async_thread_executor._ThreadBasedAsyncCheckpointExecutor``).
+_DCP_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 
 def _dcp_saver_file() -> str:
