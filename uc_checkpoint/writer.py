@@ -190,14 +190,14 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
         ConcurrentSaveError: another save at the same location started after this one, or published
             while this one ran (this one publishes nothing; see :mod:`uc_checkpoint.layout`).
-        TransferError: also when the ``.metadata`` read back after publishing is not this save's
-            (a mount that reports a rename or write as done and loses it): nothing is deleted then.
+        StagingError: the staging directory cannot be created, is full, or was deleted mid-save.
+        TransferError: an upload failed or landed with the wrong size or checksum, or the
+            ``.metadata`` read back after publishing is not this save's (a mount that reports a
+            rename or write as done and loses it): nothing is deleted then.
 
     One writer object may serve several saves at once (overlapping ``dcp.async_save`` calls, each
     with its own ``checkpoint_id``): each save's state is its own (:mod:`uc_checkpoint.sessions`). A
     save still in flight when the interpreter exits is finished first (:mod:`uc_checkpoint.exit_guard`).
-        StagingError: the staging directory cannot be created, is full, or was deleted mid-save.
-        TransferError: an upload failed or landed with the wrong size or checksum.
     """
 
     def __init__(
@@ -274,10 +274,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # continues there, where the exit guard has nothing to wait for.
         state = super().__getstate__()
         if self._pending_tickets:
-            try:
-                self._pending_tickets.popleft().end()
-            except IndexError:
-                pass
+            self._pending_tickets.popleft().end()
         state["_pending_tickets"] = deque()
         return state
 
