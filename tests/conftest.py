@@ -67,6 +67,20 @@ def assert_state_dict_equal(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
+def causes(exc: BaseException) -> list[BaseException]:
+    """The exception, DCP's per-rank failures and their causes, flattened."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        out.append(e)
+        for failure in getattr(e, "failures", {}).values():
+            # DCP stores (exception, traceback summary) per rank.
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        if e.__cause__ is not None:
+            todo.append(e.__cause__)
+    return out
+
+
 def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a Python script or torchrun from the venv with the repo importable; fail on timeout."""
     full_env = dict(os.environ)

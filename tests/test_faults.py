@@ -16,24 +16,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import StagingError
 
+from .conftest import causes
+
 
 def state(seed: int, mib: int = 4) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(mib * (1 << 18), generator=g), "meta": {"seed": seed}}
-
-
-def causes(exc: BaseException) -> list[BaseException]:
-    """The exception, DCP's per-rank failures and their causes, flattened."""
-    out, todo = [], [exc]
-    while todo:
-        e = todo.pop()
-        out.append(e)
-        for failure in getattr(e, "failures", {}).values():
-            # DCP stores (exception, traceback summary) per rank.
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-        if e.__cause__ is not None:
-            todo.append(e.__cause__)
-    return out
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from uc_checkpoint.manager import CheckpointManager
 from uc_checkpoint.verify import verify_checkpoint
 from uc_checkpoint.volumes import S3Volume
 
+from .conftest import causes
 from .s3_fixtures import FaultProxy, s3_client
 
 NEWEST = "step_00000002"
@@ -40,19 +41,6 @@ def state(step: int) -> dict:
 
 def blank() -> dict:
     return {"w": torch.zeros(64, 32), "meta": {"step": -1}}
-
-
-def causes(exc: BaseException) -> list[BaseException]:
-    """The exception, DCP's per-rank failures and their causes, flattened."""
-    out, todo = [], [exc]
-    while todo:
-        e = todo.pop()
-        out.append(e)
-        for failure in getattr(e, "failures", {}).values():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-        if e.__cause__ is not None:
-            todo.append(e.__cause__)
-    return out
 
 
 def _list_prefix(target: str) -> str | None:
