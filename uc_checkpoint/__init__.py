@@ -5,8 +5,11 @@
     dcp.async_save(state_dict, storage_writer=UCVolumeWriter(path))
     dcp.load(state_dict, storage_reader=UCVolumeReader(path))
 
-The data-pipeline tracker lives in :mod:`uc_checkpoint.data_tracker` (pure Python) and
-:mod:`uc_checkpoint.data_loading` (its DataLoader and DCP ``Stateful`` wiring).
+The names users reach for are all here: ``CheckpointManager`` (step-numbered checkpoints, resume,
+retention), ``DataTracker``/``ShardSpec`` (the data-pipeline state, pure Python),
+``TrackedDataLoader``/``TrackedShardDataset``/``TrackerStateful`` (its DataLoader and DCP
+``Stateful`` wiring), ``collect_garbage``, ``list_root``/``describe_checkpoint``/``verify_checkpoint``
+(what ``uc-checkpoint ls``/``inspect``/``verify`` do), the volumes, and every error class.
 
 Names that need torch are imported on first use (PEP 562 ``__getattr__``), so that
 ``import uc_checkpoint.data_tracker`` or ``uc_checkpoint.errors`` costs no torch import.
@@ -33,8 +36,14 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .data_loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
+    from .data_tracker import DataTracker, ShardSpec
+    from .describe import describe_checkpoint, list_root
+    from .garbage import GCReport, collect_garbage
+    from .manager import CheckpointManager
     from .reader import UCVolumeReader
-    from .volumes import Volume, open_volume
+    from .verify import verify_checkpoint
+    from .volumes import FsspecVolume, LocalVolume, S3Volume, Volume, open_volume
     from .writer import UCVolumeWriter
 
 __version__ = "0.1.0"
@@ -43,7 +52,21 @@ __version__ = "0.1.0"
 _LAZY = {
     "UCVolumeReader": ".reader",
     "UCVolumeWriter": ".writer",
+    "CheckpointManager": ".manager",
+    "DataTracker": ".data_tracker",
+    "ShardSpec": ".data_tracker",
+    "TrackedDataLoader": ".data_loading",
+    "TrackedShardDataset": ".data_loading",
+    "TrackerStateful": ".data_loading",
+    "collect_garbage": ".garbage",
+    "GCReport": ".garbage",
+    "list_root": ".describe",
+    "describe_checkpoint": ".describe",
+    "verify_checkpoint": ".verify",
     "Volume": ".volumes",
+    "LocalVolume": ".volumes",
+    "S3Volume": ".volumes",
+    "FsspecVolume": ".volumes",
     "open_volume": ".volumes",
 }
 
@@ -59,6 +82,20 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointManager",
+    "DataTracker",
+    "FsspecVolume",
+    "GCReport",
+    "LocalVolume",
+    "S3Volume",
+    "ShardSpec",
+    "TrackedDataLoader",
+    "TrackedShardDataset",
+    "TrackerStateful",
+    "collect_garbage",
+    "describe_checkpoint",
+    "list_root",
+    "verify_checkpoint",
     "ConcurrentSaveError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

@@ -124,14 +124,16 @@ class Digest:
         )
 
 
-def copy_stream(src: BinaryIO, dst: BinaryIO | None, digest: Digest) -> int:
+def copy_stream(src: BinaryIO, dst: BinaryIO | None, digest: Digest, limit: int | None = None) -> int:
     """Copy ``src`` to ``dst`` (or just read it when ``dst`` is ``None``) in :data:`CHUNK_SIZE`
-    pieces, feeding ``digest``; return the number of bytes copied."""
+    pieces, feeding ``digest``; return the number of bytes copied. With ``limit``, stop after that
+    many bytes (a source that grew, or never ends, is not read past what was expected)."""
     buf = bytearray(CHUNK_SIZE)
     view = memoryview(buf)
     total = 0
     while True:
-        n = src.readinto(view)  # type: ignore[attr-defined]
+        want = CHUNK_SIZE if limit is None else min(CHUNK_SIZE, limit - total)
+        n = src.readinto(view[:want]) if want > 0 else 0  # type: ignore[attr-defined]
         if not n:
             return total
         chunk = view[:n]

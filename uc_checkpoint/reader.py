@@ -277,7 +277,10 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
         load = self._load  # fetch runs in pool threads, which have no session of their own
 
         def fetch(name: str) -> FileRecord:
-            record = volume.download_file(name, cache / name)
+            # Sizes are checked before a byte is read, and nothing past them is read.
+            expected = load.records.get(name)
+            record = volume.download_file(name, cache / name, expected_size=None if expected is None else expected.size,
+                                          min_size=load.min_sizes.get(name, 0))
             self._verify_file(volume, record, load)
             return record
 

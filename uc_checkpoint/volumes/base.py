@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from ..errors import CorruptCheckpointError
 from ..integrity import FileRecord
 
 __all__ = ["FileRecord", "Volume"]
@@ -83,13 +84,44 @@ class Volume(ABC):
         """
 
     @abstractmethod
-    def download_file(self, name: str, local_path: Path) -> FileRecord:
+    def download_file(
+        self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
+    ) -> FileRecord:
         """Copy ``name`` to a local file and return its size and checksums.
 
+        The size on the volume is checked first (one ``stat``/``HEAD``), against ``expected_size``
+        (bytes, the manifest's record) or at least ``min_size`` (what the items need, for checkpoints
+        without a manifest: then only those first ``min_size`` bytes are copied), and no more than
+        that is ever read: a data file replaced by a huge or endless one (a sparse file, a symlink to
+        ``/dev/zero``) cannot fill the staging disk.
+
         Raises:
-            CorruptCheckpointError: ``name`` does not exist.
+            CorruptCheckpointError: ``name`` does not exist, is not a regular file, has another size
+                than ``expected_size`` or less than ``min_size``, or changed size while copied.
             TransferError: the copy failed for another reason.
         """
+
+    def _check_size(self, name: str, actual: int | None, expected_size: int | None, min_size: int) -> int:
+        """The one wording of a missing or wrongly sized data file; returns how many bytes to read:
+        the whole file when its size is known from a manifest, else only the ``min_size`` bytes the
+        items need (a stock checkpoint's file may have grown; nothing past them is of use)."""
+        where = self.describe(name)
+        if actual is None:
+            raise CorruptCheckpointError(f"checkpoint file {where} is missing")
+        if expected_size is not None and actual != expected_size:
+            raise CorruptCheckpointError(
+                f"checkpoint file {where} has {actual} bytes, the checkpoint recorded {expected_size} "
+                "(truncated or replaced)"
+            )
+        if actual < min_size:
+            raise CorruptCheckpointError(f"checkpoint file {where} has {actual} bytes, the checkpoint needs at least {min_size}")
+        return actual if expected_size is not None or min_size <= 0 else min_size
+
+    def _check_copied(self, name: str, copied: int, size: int) -> None:
+        if copied != size:
+            raise CorruptCheckpointError(
+                f"checkpoint file {self.describe(name)} changed while it was read: {copied} bytes read, {size} expected"
+            )
 
     @abstractmethod
     def read_range(self, name: str, start: int, end: int) -> bytes:

@@ -191,17 +191,20 @@ class FsspecVolume(Volume):
             raise TransferError(f"{where} landed with {landed} bytes, expected {record.size}")
         return record
 
-    def download_file(self, name: str, local_path: Path) -> FileRecord:
+    def download_file(
+        self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
+    ) -> FileRecord:
         where = self.describe(name)
         digest = Digest()
+        size = self._check_size(name, self.size(name), expected_size, min_size)  # size() drops caches
         try:
-            self._fresh(self._path(name))  # opening reads the size from info(), which may be cached
             with self.fs.open(self._path(name), "rb") as src, open(local_path, "wb") as dst:
-                copy_stream(src, dst, digest)
+                copied = copy_stream(src, dst, digest, limit=size)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
+        self._check_copied(name, copied, size)
         return digest.record(name)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:

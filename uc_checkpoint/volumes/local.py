@@ -13,6 +13,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -191,24 +192,34 @@ class LocalVolume(Volume):
             raise TransferError(f"{dest} landed with {landed} bytes, {local_path} has {record.size}")
         return record
 
-    def download_file(self, name: str, local_path: Path) -> FileRecord:
+    def download_file(
+        self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
+    ) -> FileRecord:
         src_path = self._path(name)
         digest = Digest()
         try:
-            with open(src_path, "rb") as src, open(local_path, "wb") as dst:
-                copy_stream(src, dst, digest)
+            with open(src_path, "rb") as src:
+                st = os.fstat(src.fileno())
+                if not stat.S_ISREG(st.st_mode):  # a device or FIFO: its size says nothing
+                    raise CorruptCheckpointError(f"checkpoint file {src_path} is not a regular file")
+                size = self._check_size(name, st.st_size, expected_size, min_size)
+                with open(local_path, "wb") as dst:
+                    copied = copy_stream(src, dst, digest, limit=size)
         except FileNotFoundError as exc:
             if exc.filename == str(src_path) or not src_path.exists():
                 raise CorruptCheckpointError(f"checkpoint file {src_path} is missing") from exc
             raise TransferError(f"copying {src_path} to {local_path} failed: {exc}") from exc
         except OSError as exc:
             raise TransferError(f"copying {src_path} to {local_path} failed: {exc}") from exc
+        self._check_copied(name, copied, size)
         return digest.record(name)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         path = self._path(name)
         try:
             with open(path, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise CorruptCheckpointError(f"checkpoint file {path} is not a regular file")
                 f.seek(start)
                 data = f.read(end - start)
         except FileNotFoundError as exc:
@@ -224,7 +235,10 @@ class LocalVolume(Volume):
 
     def read_bytes(self, name: str) -> bytes | None:
         try:
-            return self._path(name).read_bytes()
+            with open(self._path(name), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/zero would never end
+                    raise CorruptCheckpointError(f"{self._path(name)} is not a regular file")
+                return f.read()
         except FileNotFoundError:
             return None
         except IsADirectoryError as exc:

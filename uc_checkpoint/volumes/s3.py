@@ -348,15 +348,33 @@ class S3Volume(Volume):
                 "(corrupted in transit or overwritten)"
             )
 
-    def download_file(self, name: str, local_path: Path) -> FileRecord:
+    def download_file(
+        self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
+    ) -> FileRecord:
+        from s3transfer.subscribers import BaseSubscriber
+
         where = self.describe(name)
+        actual = self.size(name)
+        size = self._check_size(name, actual, expected_size, min_size)
+        if size != actual:  # only the items' bytes of a file without a manifest record
+            local_path.write_bytes(self.read_range(name, 0, size))
+            return digest_file(local_path).record(name)
+
+        class _KnownSize(BaseSubscriber):  # s3transfer then plans from our HEAD instead of its own
+            def on_queued(self, future: Any, **kwargs: Any) -> None:
+                future.meta.provide_transfer_size(size)
+
         try:
-            self._transfer_manager().download(self.bucket, self.key(name), str(local_path)).result()
+            self._transfer_manager().download(
+                self.bucket, self.key(name), str(local_path), subscribers=[_KnownSize()]
+            ).result()
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
             raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
-        return digest_file(local_path).record(name)
+        record = digest_file(local_path).record(name)
+        self._check_copied(name, record.size, size)
+        return record
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         where = self.describe(name)

@@ -1,0 +1,140 @@
+"""Inputs from the field (issue 14): data files that grew or never end are refused before they are
+read, and the package exports the names users reach for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.errors import CorruptCheckpointError, rank_error
+
+from .conftest import REPO
+
+
+def _sd() -> dict[str, torch.Tensor]:
+    return {"a": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(1000)}
+
+
+def _load_error(location: str | Path, *, prefetch: bool = True, **kwargs: object) -> BaseException:
+    target = {"a": torch.zeros(300_000), "b": torch.zeros(1000)}
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=UCVolumeReader(location, prefetch_files=prefetch, **kwargs), no_dist=True)
+    return rank_error(info.value)
+
+
+def _data_file(location: Path) -> Path:
+    return sorted(location.glob("*.distcp"))[0]
+
+
+def _staged_bytes(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def test_a_data_file_grown_to_a_sparse_gigabyte_is_refused_before_reading(tmp_path: Path, staging: Path) -> None:
+    loc = tmp_path / "ckpt"
+    sd = _sd()
+    dcp.save(sd, storage_writer=UCVolumeWriter(loc), no_dist=True)
+    victim = _data_file(loc)
+    recorded = victim.stat().st_size
+    os.truncate(victim, 1 << 30)
+    err = _load_error(loc, prefetch=True)
+    assert isinstance(err, CorruptCheckpointError), err
+    assert f"{victim} has {1 << 30} bytes, the checkpoint recorded {recorded}" in str(err), err
+    assert _staged_bytes(staging) < (1 << 20)  # nothing of the gigabyte reached staging
+    # Ranged reads fetch only the recorded ranges, checked block by block: the right values, and
+    # nothing past them is read.
+    target = {"a": torch.zeros(300_000), "b": torch.zeros(1000)}
+    dcp.load(target, storage_reader=UCVolumeReader(loc, prefetch_files=False), no_dist=True)
+    assert torch.equal(target["a"], sd["a"])
+
+
+def test_a_data_file_that_is_a_symlink_to_dev_zero_is_refused(tmp_path: Path, staging: Path) -> None:
+    loc = tmp_path / "ckpt"
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(loc), no_dist=True)
+    victim = _data_file(loc)
+    victim.unlink()
+    victim.symlink_to("/dev/zero")
+    for prefetch in (True, False):
+        err = _load_error(loc, prefetch=prefetch)
+        assert isinstance(err, CorruptCheckpointError) and victim.name in str(err), err
+        assert "not a regular file" in str(err), err
+
+
+def test_a_metadata_that_never_ends_is_refused(tmp_path: Path) -> None:
+    loc = tmp_path / "ckpt"
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(loc), no_dist=True)
+    (loc / ".metadata").unlink()
+    (loc / ".metadata").symlink_to("/dev/zero")
+    err = _load_error(loc)
+    assert isinstance(err, CorruptCheckpointError) and ".metadata" in str(err) and "not a regular file" in str(err)
+
+
+def test_a_stock_checkpoint_file_that_grew_is_read_only_as_far_as_its_items(tmp_path: Path, staging: Path) -> None:
+    # Stock FileSystemWriter checkpoints carry no manifest: only the bytes the items need are read.
+    loc = tmp_path / "stock"
+    sd = _sd()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(loc)), no_dist=True)
+    victim = _data_file(loc)
+    os.truncate(victim, 1 << 30)
+    target = {"a": torch.zeros(300_000), "b": torch.zeros(1000)}
+    dcp.load(target, storage_reader=UCVolumeReader(loc, prefetch_files=True), no_dist=True)
+    assert torch.equal(target["a"], sd["a"]) and torch.equal(target["b"], sd["b"])
+
+
+def test_an_fsspec_data_file_that_grew_is_refused() -> None:
+    import fsspec
+
+    url = "memory://field-inputs/grown"
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(url), no_dist=True)
+    fs = fsspec.filesystem("memory")
+    victim = next(p for p in fs.ls("/field-inputs/grown", detail=False) if p.endswith(".distcp"))
+    fs.pipe_file(victim, fs.cat_file(victim) + b"\0" * (8 << 20))
+    try:
+        err = _load_error(url, prefetch=True)
+        assert isinstance(err, CorruptCheckpointError) and victim.rsplit("/", 1)[-1] in str(err), err
+        assert "the checkpoint recorded" in str(err)
+    finally:
+        fs.rm("/field-inputs", recursive=True)
+
+
+def test_an_s3_data_file_that_grew_is_refused(s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .s3_fixtures import s3_client
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    url = f"s3://{s3_bucket}/grown"
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(url), no_dist=True)
+    client = s3_client(s3_server)
+    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="grown/")["Contents"]
+               if o["Key"].endswith(".distcp"))
+    body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_bucket, Key=key, Body=body + b"\0" * (4 << 20))
+    err = _load_error(url, prefetch=True)
+    assert isinstance(err, CorruptCheckpointError) and key.rsplit("/", 1)[-1] in str(err), err
+    assert "the checkpoint recorded" in str(err), err
+
+
+def test_the_package_exports_the_names_users_reach_for() -> None:
+    # A fresh interpreter: the names resolve lazily, and importing the package costs no torch import.
+    code = (
+        "import sys, uc_checkpoint\n"
+        "assert 'torch' not in sys.modules\n"
+        "from uc_checkpoint import (CheckpointManager, DataTracker, ShardSpec, TrackedDataLoader,\n"
+        "    TrackedShardDataset, TrackerStateful, collect_garbage, GCReport, list_root, describe_checkpoint,\n"
+        "    verify_checkpoint, UCVolumeWriter, UCVolumeReader, S3Volume, LocalVolume, FsspecVolume, open_volume,\n"
+        "    VolumeError, DataLoadingError)\n"
+        "from uc_checkpoint.manager import CheckpointManager as M\n"
+        "assert CheckpointManager is M\n"
+        "missing = [n for n in uc_checkpoint.__all__ if not hasattr(uc_checkpoint, n)]\n"
+        "assert not missing, missing\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
