@@ -138,3 +138,88 @@ def test_the_package_exports_the_names_users_reach_for() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# One canonical form of a location
+
+
+def _spellings(kind: str, base: str) -> list[str]:
+    """Spellings of the location ``<base>/run1/step_00000005`` for one volume kind."""
+    if kind == "local":
+        return [f"{base}/run1/step_00000005", f"{base}/run1/step_00000005/", f"{base}//run1///step_00000005",
+                f"{base}/run1/./step_00000005", f"file://{base}/run1/step_00000005/",
+                f"file://localhost{base}/run1//step_00000005"]
+    return [f"{base}/run1/step_00000005", f"{base}/run1/step_00000005/", f"{base}/run1//step_00000005",
+            f"{base}//run1/step_00000005//"]
+
+
+def _roots(kind: str, base: str) -> list[str]:
+    return [f"{base}/run1", f"{base}/run1/", f"{base}//run1//"]
+
+
+@pytest.fixture(params=["local", "s3", "memory"])
+def location_base(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    kind = request.param
+    if kind == "local":
+        return kind, str(tmp_path)
+    if kind == "s3":
+        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        request.getfixturevalue("monkeypatch").setenv("AWS_ENDPOINT_URL", server)
+        return kind, f"s3://{bucket}"
+    return kind, f"memory://canon-{tmp_path.name}"
+
+
+def test_every_spelling_of_a_location_finds_the_same_checkpoint(location_base: tuple[str, str]) -> None:
+    from uc_checkpoint import CheckpointManager, list_root
+    from uc_checkpoint.volumes import open_volume
+
+    kind, base = location_base
+    spellings = _spellings(kind, base)
+    assert len({open_volume(s).url for s in spellings}) == 1, [open_volume(s).url for s in spellings]
+    for n, writer_spelling in enumerate(spellings[:3]):
+        sd = {"w": torch.full((16,), float(n))}
+        dcp.save(sd, storage_writer=UCVolumeWriter(writer_spelling), no_dist=True)
+        for reader_spelling in spellings:
+            target = {"w": torch.zeros(16)}
+            dcp.load(target, storage_reader=UCVolumeReader(reader_spelling), no_dist=True)
+            assert torch.equal(target["w"], sd["w"]), (writer_spelling, reader_spelling)
+    for root in _roots(kind, base):
+        assert CheckpointManager(root).latest() == 5, root
+        assert [s.step for s in list_root(root)] == [5], root
+    # A manager root with a trailing slash saves where every other spelling finds it.
+    manager = CheckpointManager(_roots(kind, base)[1], async_save=False)
+    manager.save(7, {"w": torch.full((16,), 7.0)})
+    target = {"w": torch.zeros(16)}
+    dcp.load(target, storage_reader=UCVolumeReader(f"{base}/run1/step_00000007"), no_dist=True)
+    assert torch.equal(target["w"], torch.full((16,), 7.0))
+
+
+@pytest.mark.parametrize(
+    ("location", "words"),
+    [
+        ("", "empty checkpoint location"),
+        ("   ", "empty checkpoint location"),
+        ("s3://ab/run", "'ab'"),
+        ("s3://My-Bucket/run", "upper-case"),
+        ("s3://my_bucket/run", "'my_bucket'"),
+        ("s3://a" + "b" * 63 + "/run", "characters"),
+        ("s3://bucket/run/../other", "'..'"),
+        ("memory://run/./x", "'.'"),
+        ("file://otherhost/run", "'otherhost'"),
+    ],
+)
+def test_ambiguous_or_invalid_locations_are_refused_at_once(location: str, words: str) -> None:
+    from uc_checkpoint import CheckpointManager, VolumeError
+
+    for make in (UCVolumeWriter, UCVolumeReader, CheckpointManager):
+        with pytest.raises(VolumeError) as info:
+            make(location)
+        assert words in str(info.value), (make, info.value)
+
+
+def test_the_cli_refuses_an_invalid_bucket_in_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "uc_checkpoint.cli", "ls", "s3://ab/run"], capture_output=True,
+                          text=True, cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and "invalid S3 bucket name 'ab'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -55,7 +55,9 @@ class SessionOwner:
     session_type: type[Session] = Session
 
     def _init_sessions(self, location: str | os.PathLike[str] | Volume) -> None:
+        """Raises VolumeError at once for a location no volume can take (empty, a bad bucket name)."""
         self._location: str | Volume = location if isinstance(location, Volume) else os.fspath(location)
+        open_volume(self._location)
         self._sessions_lock = threading.Lock()
         self._sessions: dict[int, tuple[threading.Thread, Session]] = {}
         self._idle = self.session_type(self._location)

@@ -9,6 +9,7 @@ from ..errors import VolumeError
 from .base import FileRecord, Volume
 from .fsspec_volume import FsspecVolume
 from .local import LocalVolume
+from .locations import local_path_of_file_url, require_location
 from .s3 import S3Volume
 
 __all__ = ["FileRecord", "FsspecVolume", "LocalVolume", "S3Volume", "Volume", "open_volume"]
@@ -24,17 +25,22 @@ def open_volume(location: str | os.PathLike[str] | Volume) -> Volume:
             :class:`Volume`, returned as is. Build the volume yourself to pass options (endpoint,
             client, part size, storage options).
 
+    Every spelling of one place gives the same :attr:`Volume.url` (empty path segments, trailing
+    slashes, ``file://localhost``; see :mod:`uc_checkpoint.volumes.locations`).
+
     Raises:
-        VolumeError: the URL's scheme has no backend.
+        VolumeError: the location is empty, the URL's scheme has no backend, an S3 bucket name S3
+            does not allow, a ``.``/``..`` segment in an object-store URL, or a ``file://`` URL
+            naming another host.
     """
     if isinstance(location, Volume):
         return location
-    text = os.fspath(location)
+    text = require_location(os.fspath(location))
     if "://" not in text:
         return LocalVolume(text)
     scheme = text.partition("://")[0].lower()
     if scheme == "file":
-        return LocalVolume(text[len("file://") :])
+        return LocalVolume(local_path_of_file_url(text))
     if scheme == "s3":
         return S3Volume(text)
     return FsspecVolume(text)

@@ -29,6 +29,7 @@ from typing import Any
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from ..integrity import Digest, FileRecord, copy_stream
 from .base import Volume
+from .locations import canonical_key_path
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,14 @@ class FsspecVolume(Volume):
 
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         try:
-            fsspec.get_filesystem_class(protocol)
+            fs_class = fsspec.get_filesystem_class(protocol)
         except (ValueError, ImportError) as exc:
             raise VolumeError(f"no filesystem for {url!r}: {exc}") from exc
-        self.url = url.rstrip("/")
+        # One spelling per place (uc_checkpoint.volumes.locations): what the filesystem itself
+        # makes of the URL, with empty segments dropped (memory://a and memory:///a are one place,
+        # memory:///a; a leading slash the filesystem keeps stays, its paths may be absolute).
+        path = canonical_key_path(fs_class._strip_protocol(url), url)
+        self.url = f"{protocol}://{path}"
         self.storage_options = storage_options
         self._fs: Any = None
         self._root: str | None = None
@@ -90,7 +95,7 @@ class FsspecVolume(Volume):
         return f"{self.root}/{name}"
 
     def child(self, name: str) -> FsspecVolume:
-        return FsspecVolume(f"{self.url}/{name.strip('/')}", **self.storage_options)
+        return FsspecVolume(f"{self.url}/{name}", **self.storage_options)
 
     # ---- listing caches -----------------------------------------------------------------------
     def _fresh(self, path: str) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from ..integrity import Digest, FileRecord, crc32_base64, composite_crc32_base64, digest_file
 from .base import Volume
+from .locations import canonical_key_path, check_bucket_name
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +51,19 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``.
 
     The prefix is taken verbatim (no URL decoding: ``%``, ``#``, ``?``, ``+`` and spaces are key
-    characters like any other); trailing slashes are dropped.
+    characters like any other), in its canonical form (:mod:`uc_checkpoint.volumes.locations`):
+    empty segments and trailing slashes dropped.
 
     Raises:
-        VolumeError: not an ``s3://`` URL, or no bucket.
+        VolumeError: not an ``s3://`` URL, no bucket, a bucket name S3 does not allow, or a ``.``
+            or ``..`` segment in the prefix.
     """
     if not url.startswith("s3://"):
         raise VolumeError(f"not an S3 URL: {url!r} (expected s3://bucket/prefix)")
     bucket, _, prefix = url[len("s3://") :].partition("/")
     if not bucket:
         raise VolumeError(f"S3 URL {url!r} names no bucket")
-    return bucket, prefix.strip("/")
+    return check_bucket_name(bucket, url), canonical_key_path(prefix, url).lstrip("/")
 
 
 class S3Volume(Volume):
@@ -237,7 +240,7 @@ class S3Volume(Volume):
     def child(self, name: str) -> S3Volume:
         other = S3Volume.__new__(S3Volume)
         other.__dict__.update(self.__dict__)
-        other.prefix = self.key(name.strip("/"))
+        other.prefix = canonical_key_path(self.key(name), f"{self.url}/{name}").lstrip("/")
         other.url = f"s3://{self.bucket}/{other.prefix}"
         other._transfer = None
         other._lock = threading.Lock()
