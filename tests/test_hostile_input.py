@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from uc_checkpoint import CorruptCheckpointError, UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import UnsafeMetadataError
-from uc_checkpoint.metadata_io import ALLOWED_GLOBALS, bad_file_name, is_allowed_global, load_metadata
+from uc_checkpoint.metadata_io import ALLOWED_GLOBALS, bad_file_name, dump_metadata, is_allowed_global, load_metadata
 
 from .conftest import assert_state_dict_equal, empty_like_state_dict, make_state_dict
 
@@ -72,8 +72,10 @@ def read_meta(dest: Path, name: str = ".metadata") -> Metadata:
 
 
 def write_meta(dest: Path, meta: Any, name: str = ".metadata") -> Path:
+    """Rewrite ``.metadata`` as a hostile editor who also recomputes its checksum trailer would, so
+    that the checks behind the checksum are what is tested."""
     path = dest / name
-    path.write_bytes(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+    path.write_bytes(dump_metadata(meta))
     return path
 
 
@@ -300,7 +302,7 @@ def test_malformed_storage_data_is_refused(saved: tuple[Path, dict], damage: str
     else:
         meta.storage_data[first] = dataclasses.replace(meta.storage_data[first], length="10")
     with pytest.raises(CorruptCheckpointError) as ei:
-        load_metadata(pickle.dumps(meta), "WHERE/.metadata")
+        load_metadata(dump_metadata(meta), "WHERE/.metadata")
     assert "WHERE/.metadata" in str(ei.value)
 
 

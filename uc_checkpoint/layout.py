@@ -10,12 +10,14 @@ block, see :mod:`uc_checkpoint.integrity`) as the plain-dict attribute ``uc_mani
 ``Metadata`` object. It is inside ``.metadata``, so it is published atomically with it; stock
 ``FileSystemReader`` ignores it. Shape::
 
-    {"format": 2, "save_id": str, "checksum": "crc32",
+    {"format": 3, "save_id": str, "checksum": "crc32",
      "files": {name: {"size": int, "crc32": "8 hex digits",
                       "block_size": int, "blocks": bytes (big-endian uint32 per block)}},
      "saved_by": {"host": str, "pid": int, "time": unix seconds}}   # since 0.1; optional
 
-Format 1 (written by the first release) has no ``block_size``/``blocks``; it still loads.
+Format 1 (written by the first release) has no ``block_size``/``blocks``; it still loads. Format 3
+means the ``.metadata`` ends with a checksum trailer over the whole pickle (see
+:func:`uc_checkpoint.metadata_io.dump_metadata`); formats 1 and 2 were written without one.
 
 While a save runs, its location also holds a save marker ``.uc-save-<save token>`` (``__<rank>.``
 in front for DCP's rank-local saves; a few bytes of JSON: host, pid, start time), written before any data file and deleted after the publish. Two saves
@@ -37,8 +39,10 @@ from .integrity import FileRecord
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 MANIFEST_ATTR = "uc_manifest"
-MANIFEST_FORMAT = 2
-_READABLE_FORMATS = (1, 2)
+MANIFEST_FORMAT = 3
+_READABLE_FORMATS = (1, 2, 3)
+#: Manifest formats whose ``.metadata`` must carry the checksum trailer.
+TRAILER_FORMATS = (3,)
 
 #: Left by a CheckpointManager in a published checkpoint that a rollback abandoned (JSON; see
 #: :mod:`uc_checkpoint.lineage`). It annotates the checkpoint: a save that replaces the checkpoint

@@ -16,15 +16,23 @@ commented. ``tests/test_hostile_input.py`` re-checks real checkpoints against th
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
+import math
 import pickle
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from . import layout
 from .errors import CorruptCheckpointError, UnsafeMetadataError
@@ -33,6 +41,13 @@ logger = logging.getLogger(__name__)
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ABSENT = object()
+
+#: The checksum trailer after the pickle in ``.metadata``: ``pickle.load`` stops at the pickle's
+#: STOP opcode, so stock readers never see it, and every byte before it is covered by its sha256.
+TRAILER_PREFIX = b"\nuc-checkpoint-metadata sha256="
+_TRAILER = re.compile(rb"\nuc-checkpoint-metadata sha256=([0-9a-f]{64})\n\Z")
+#: Chunks per tensor above which the pairwise overlap check is skipped (volumes still must add up).
+_MAX_PAIRWISE_CHUNKS = 2048
 
 #: ``(module, name)`` of every global a ``.metadata`` pickle may name, besides torch dtypes.
 #: Each is a plain data class or a function that only looks a value up; none runs code it is given.
@@ -128,8 +143,28 @@ def _restricted_load(data: bytes, where: str) -> Any:
         unpickler.undo_global_changes()
 
 
+def dump_metadata(metadata: Metadata) -> bytes:
+    """The bytes of a ``.metadata`` file: DCP's pickle, then the checksum trailer
+    (:data:`TRAILER_PREFIX`, the pickle's sha256 in hex, a newline). Stock ``FileSystemReader``
+    unpickles the same bytes and ignores the trailer."""
+    payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    return payload + TRAILER_PREFIX + hashlib.sha256(payload).hexdigest().encode() + b"\n"
+
+
+def split_trailer(data: bytes) -> tuple[bytes, str | None]:
+    """``(pickle bytes, sha256 hex)`` of a ``.metadata`` with a checksum trailer, or
+    ``(data, None)`` for one without (stock writers, our formats 1 and 2, or a damaged trailer)."""
+    match = _TRAILER.search(data, max(0, len(data) - len(TRAILER_PREFIX) - 65))
+    if match is None:
+        return data, None
+    return data[: match.start()], match.group(1).decode()
+
+
 def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Metadata:
     """Decode the bytes of a ``.metadata`` file and check them with :func:`check_metadata`.
+
+    A ``.metadata`` with a checksum trailer (:func:`dump_metadata`) is checked against it before a
+    byte is unpickled; one whose manifest says it was written with a trailer must have it.
 
     Args:
         data: the file's content.
@@ -139,11 +174,18 @@ def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Met
     Raises:
         UnsafeMetadataError: the pickle names a global outside the allow-list (nothing it names
             has been called).
-        CorruptCheckpointError: the bytes are not a pickle (empty, truncated, garbage), do not hold
-            a DCP ``Metadata``, or fail :func:`check_metadata`. The message names ``where``.
+        CorruptCheckpointError: the bytes fail their checksum, are not a pickle (empty, truncated,
+            garbage), do not hold a DCP ``Metadata``, or fail :func:`check_metadata`. The message
+            names ``where``.
     """
+    payload, digest = split_trailer(data)
+    if digest is not None and hashlib.sha256(payload).hexdigest() != digest:
+        raise CorruptCheckpointError(
+            f"{where} fails its checksum (sha256 {hashlib.sha256(payload).hexdigest()[:16]}..., recorded "
+            f"{digest[:16]}...): the file was damaged or changed after it was written"
+        )
     try:
-        metadata = pickle.loads(data) if allow_unsafe else _restricted_load(data, where)
+        metadata = pickle.loads(payload) if allow_unsafe else _restricted_load(payload, where)
     except UnsafeMetadataError:
         raise
     except Exception as exc:  # pickle raises many types on bad input (EOFError, KeyError, ...)
@@ -152,7 +194,18 @@ def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Met
         logger.warning("%s was unpickled without restrictions (allow_unsafe_metadata=True)", where)
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP Metadata (found {type(metadata).__name__})")
-    check_metadata(metadata, where)
+    if digest is None:
+        raw_manifest = getattr(metadata, layout.MANIFEST_ATTR, None)
+        if isinstance(raw_manifest, Mapping) and raw_manifest.get("format") in layout.TRAILER_FORMATS:
+            raise CorruptCheckpointError(
+                f"{where} has lost the checksum trailer it was written with (damaged or truncated at its end)"
+            )
+    try:
+        check_metadata(metadata, where)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # objects of the right classes with missing or odd fields
+        raise CorruptCheckpointError(f"{where} is malformed: {type(exc).__name__}: {exc}") from exc
     return metadata
 
 
@@ -177,6 +230,7 @@ def check_metadata(metadata: Metadata, where: str) -> None:
             value = getattr(info, field)
             if not isinstance(value, int) or value < 0:
                 raise CorruptCheckpointError(f"{where}: {info.relative_path!r} has {field} {value!r}")
+    _check_items(metadata, storage, where)
     manifest = layout.manifest_of(metadata)
     if manifest is None:
         return
@@ -189,6 +243,69 @@ def check_metadata(metadata: Metadata, where: str) -> None:
         layout.manifest_records(manifest)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{where}: the file manifest is malformed: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_items(metadata: Metadata, storage: Mapping[Any, Any], where: str) -> None:
+    """Every item of ``state_dict_metadata`` is well-formed, and what a load would write is whole:
+    each tensor's chunks lie inside it and tile it exactly once (a chunk shrunk by one flipped byte
+    would otherwise leave part of the target tensor unwritten, without an error), each chunk and
+    each bytes item has a storage entry, and each stored tensor item is at least as long as its
+    chunk's bytes.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the item.
+    """
+    items = metadata.state_dict_metadata
+    if not isinstance(items, Mapping):
+        raise CorruptCheckpointError(f"{where}: state_dict_metadata is a {type(items).__name__}, not a mapping")
+    for fqn, md in items.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{where}: an item key is a {type(fqn).__name__}, not a string")
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise CorruptCheckpointError(f"{where}: item {fqn!r} has no storage entry")
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{where}: item {fqn!r} is a {type(md).__name__}")
+        _check_tensor(fqn, md, storage, where)
+
+
+def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: Mapping[Any, Any], where: str) -> None:
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: tensor {fqn!r} {why}")
+
+    size = tuple(md.size) if isinstance(md.size, (tuple, list, torch.Size)) else None
+    if size is None or not all(isinstance(d, int) and d >= 0 for d in size):
+        raise bad(f"has a malformed size {md.size!r}")
+    dtype = getattr(md.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise bad(f"has no dtype ({dtype!r})")
+    itemsize = dtype.itemsize
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    total = 0
+    for chunk in md.chunks:
+        offsets, sizes = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
+        if len(offsets) != len(size) or len(sizes) != len(size) or not all(
+            isinstance(v, int) and v >= 0 for v in (*offsets, *sizes)
+        ):
+            raise bad(f"has a malformed chunk (offsets {offsets!r}, sizes {sizes!r}) for size {size}")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise bad(f"has a chunk at {offsets} of {sizes} reaching outside its size {size}")
+        info = storage.get(MetadataIndex(fqn, offsets))
+        if info is None:
+            raise bad(f"has no storage entry for its chunk at {offsets}")
+        volume = math.prod(sizes)
+        if info.length < volume * itemsize:
+            raise bad(f"chunk at {offsets} is stored in {info.length} bytes, fewer than its {volume * itemsize} bytes of data")
+        boxes.append((offsets, sizes))
+        total += volume
+    if total != math.prod(size):
+        raise bad(f"has chunks covering {total} elements, its size {size} has {math.prod(size)}")
+    if len(boxes) <= _MAX_PAIRWISE_CHUNKS:
+        for i, (oa, sa) in enumerate(boxes):
+            for ob, sb in boxes[i + 1 :]:
+                if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb)) and math.prod(sa) and math.prod(sb):
+                    raise bad(f"has overlapping chunks at {oa} and {ob}")
 
 
 def bad_file_name(name: object) -> str | None:

@@ -397,19 +397,26 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
         if info.transform_descriptors:  # written with DCP extensions (e.g. compression)
             stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
             data = memoryview(stream.read(-1))
+        where = f"{volume.describe(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}"
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(data))
+            try:
+                planner.load_bytes(req, io.BytesIO(data))
+            except UCCheckpointError:
+                raise
+            except Exception as exc:  # torch.load of bytes that are not the item (damaged metadata or file)
+                raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
             return
         saved = self._load.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         try:
             tensor = codec.decode(data, *saved) if saved is not None else None
         except ItemChecksumError as exc:
-            raise CorruptCheckpointError(
-                f"{volume.describe(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}: {exc}"
-            ) from exc
-        if tensor is None:
-            tensor = torch.load(_MemoryReader(data), map_location="cpu", weights_only=True)
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            raise CorruptCheckpointError(f"{where}: {exc}") from exc
+        try:
+            if tensor is None:
+                tensor = torch.load(_MemoryReader(data), map_location="cpu", weights_only=True)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        except Exception as exc:  # not a tensor archive, or not the chunk the metadata describes
+            raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CorruptCheckpointError(

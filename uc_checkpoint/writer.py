@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import queue
 import shutil
 import socket
@@ -624,7 +623,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                 "is kept and this save is abandoned"
             )
         superseded = self._files_of_published(volume, meta_name, current)
-        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = metadata_io.dump_metadata(metadata)
         volume.publish_bytes(meta_name, blob, overwrite=self.overwrite)
         # Confirm by content before anything is deleted: some mounts report a rename or a write as
         # done and lose it, and the replaced .metadata may have exactly the new one's size. Deleting
