@@ -46,6 +46,8 @@ THROTTLE = "throttle"  # 503 SlowDown
 ERROR = "error"  # 500 InternalError
 CUT = "cut"  # connection closed mid-request or mid-response
 STALL = "stall"  # nothing sent back for ``stall_s`` seconds, then relayed (a slow or hung store)
+REJECTED_HEADER = "rejected-header"  # 400 InvalidArgument: "Unsupported header" (S3-compatible stores)
+REJECTED_CONDITION = "rejected-condition"  # 501 NotImplemented for If-None-Match
 
 REGION = "us-east-1"
 
@@ -68,6 +70,8 @@ _ERROR_STATUS = {
     THROTTLE: (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
     ERROR: (500, "Internal Server Error", "InternalError",
             "We encountered an internal error. Please try again."),
+    REJECTED_CONDITION: (501, "Not Implemented", "NotImplemented",
+                         "A header you provided implies functionality that is not implemented"),
 }
 
 
@@ -170,14 +174,27 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         fault = proxy._decide(method, target)
+        rejected = proxy._rejected_header(self.headers)
+        if rejected is not None:
+            fault = REJECTED_HEADER
+        elif proxy.conditional_writes == "reject" and self.headers.get("If-None-Match") is not None:
+            fault = REJECTED_CONDITION
+        if fault in (REJECTED_HEADER, REJECTED_CONDITION):
+            with proxy._lock:
+                proxy.injected[fault] += 1
         self._current = ProxyRecord(method, target, fault, framing, list(self.headers.items()))
         proxy._record(self._current, new_connection=not self._served)
         self._served = True
         try:
-            if fault in (THROTTLE, ERROR):
+            if fault in (THROTTLE, ERROR, REJECTED_CONDITION):
                 self._send_continue()
                 self._copy_request_body(framing, length, sink=None)
                 self._send_s3_error(fault, method)
+            elif fault == REJECTED_HEADER:
+                self._send_continue()
+                self._copy_request_body(framing, length, sink=None)
+                self._send_s3_error(fault, method, (400, "Bad Request", "InvalidArgument",
+                                                    f"Unsupported header '{rejected}' received for this API call."))
             elif fault == STALL:
                 # Hold the request (body unread) as a hung store would; the client's read
                 # timeout usually fires first and it goes away, which ends the relay below.
@@ -270,9 +287,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     # -- response side ------------------------------------------------------------------
 
-    def _send_s3_error(self, kind: str, method: str) -> None:
-        """Answer with S3's XML error for ``kind``; the connection stays usable."""
-        status, reason, code, message = _ERROR_STATUS[kind]
+    def _send_s3_error(self, kind: str, method: str, detail: Optional[tuple[int, str, str, str]] = None) -> None:
+        """Answer with S3's XML error for ``kind`` (or ``detail``: status, reason, code, message);
+        the connection stays usable."""
+        status, reason, code, message = detail or _ERROR_STATUS[kind]
         request_id = uuid.uuid4().hex[:16].upper()
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -298,7 +316,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         try:
             conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
             # Client headers go unchanged and in order: SigV4 signs Host and x-amz-*.
+            ignore_condition = self.server.proxy.conditional_writes == "ignore"
             for name, value in self.headers.items():
+                if ignore_condition and name.lower() == "if-none-match":
+                    continue  # a store that does not know the header: the write goes through
                 conn.putheader(name, value)
             conn.endheaders()
             if framing != "none":
@@ -434,6 +455,13 @@ class FaultProxy:
       as a slow or hung store would: a client with a shorter read timeout gives up first.
     * ``fail_all``: when true, every eligible request is answered ``503 SlowDown``
       (counted as ``"throttle"``), overriding the rates.
+    * ``reject_headers``: header-name prefixes (lower case) that, like several S3-compatible
+      stores (Backblaze B2, older MinIO and Ceph releases), the proxy refuses with ``400
+      InvalidArgument "Unsupported header '<name>' received for this API call."`` (counted as
+      ``"rejected-header"``), e.g. ``("x-amz-sdk-checksum-algorithm", "x-amz-checksum-")``.
+    * ``conditional_writes``: ``"ok"`` (relay ``If-None-Match``), ``"ignore"`` (drop the header:
+      the write goes through even over an existing object) or ``"reject"`` (``501
+      NotImplemented``, counted as ``"rejected-condition"``).
     * ``match``: ``None`` (all requests eligible) or ``match(method, target) -> bool``,
       where ``target`` is the raw request target, path plus query, e.g.
       ``"/bucket/key?partNumber=2&uploadId=..."``.
@@ -464,6 +492,8 @@ class FaultProxy:
         seed: int = 0,
         stall_rate: float = 0.0,
         stall_s: float = 30.0,
+        reject_headers: tuple[str, ...] = (),
+        conditional_writes: str = "ok",
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -477,6 +507,8 @@ class FaultProxy:
         self.fail_all = fail_all
         self.stall_rate = stall_rate
         self.stall_s = stall_s
+        self.reject_headers = reject_headers
+        self.conditional_writes = conditional_writes
         self._stopping = threading.Event()
         self.match = match
         self.seed = seed
@@ -562,6 +594,14 @@ class FaultProxy:
         self.stop()
 
     # Called from handler threads.
+
+    def _rejected_header(self, headers: Any) -> Optional[str]:
+        """The first request header whose name starts with one of ``reject_headers``, or None."""
+        prefixes = self.reject_headers
+        for name in headers.keys() if prefixes else ():
+            if name.lower().startswith(prefixes):
+                return name.lower()
+        return None
 
     def _decide(self, method: str, target: str) -> Optional[str]:
         """Count the request and pick its fault kind, or ``None`` to forward it intact."""

@@ -9,6 +9,7 @@ checkpoint that fails ``verify``), never a traceback.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import logging
 import os
@@ -41,10 +42,35 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1, default=str))
 
 
+def _volume_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``-o KEY=VALUE`` options: a Python literal (``8``, ``False``, ``None``, ``'x'``) or else the
+    text itself."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise _UserError(f"-o takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key.strip()] = text
+    return out
+
+
+def _where(args: argparse.Namespace, location: str) -> Any:
+    """The location as given, or its volume built with the ``-o`` options."""
+    options = _volume_options(getattr(args, "volume_option", None))
+    if not options:
+        return location
+    from .volumes import open_volume
+
+    return open_volume(location, **options)
+
+
 def _ls(args: argparse.Namespace) -> int:
     from .describe import list_root, summary_dict
 
-    rows = list_root(args.root)
+    rows = list_root(_where(args, args.root))
     if args.json:
         _print_json([summary_dict(r) for r in rows])
         return 0
@@ -52,7 +78,7 @@ def _ls(args: argparse.Namespace) -> int:
         from .volumes import open_volume
 
         hint = ""
-        if ".metadata" in open_volume(args.root).list_files():
+        if ".metadata" in open_volume(_where(args, args.root)).list_files():
             hint = f" ({args.root} is itself one checkpoint: try `uc-checkpoint inspect {args.root}`)"
         print(f"no step_* checkpoints under {args.root}{hint}")
         return 0
@@ -67,7 +93,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .describe import describe_checkpoint
 
-    info = describe_checkpoint(args.checkpoint, data_state=not args.no_data_state)
+    info = describe_checkpoint(_where(args, args.checkpoint), data_state=not args.no_data_state)
     if args.json:
         _print_json(info)
         return 0
@@ -102,7 +128,7 @@ def _verify(args: argparse.Namespace) -> int:
 
         bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr)
     try:
-        report = verify_checkpoint(args.checkpoint, progress=bar.update if bar is not None else None)
+        report = verify_checkpoint(_where(args, args.checkpoint), progress=bar.update if bar is not None else None)
     finally:
         if bar is not None:
             bar.close()
@@ -125,7 +151,7 @@ def _gc(args: argparse.Namespace) -> int:
     from .garbage import DEFAULT_GRACE_S, collect_garbage
 
     report = collect_garbage(
-        args.root, grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
+        _where(args, args.root), grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
         staging_dir=args.staging_dir, include_staging=not args.no_staging, dry_run=args.dry_run,
     )
     if args.json:
@@ -164,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log progress (INFO) to stderr")
+    common.add_argument("-o", "--volume-option", action="append", metavar="KEY=VALUE",
+                        help="volume option, repeatable: S3Volume's (endpoint_url=..., addressing_style=path, "
+                             "checksums=False, ...) or an fsspec filesystem's storage options")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("ls", parents=[common], help="the checkpoints under a root: step, state, size, files, age")

@@ -85,6 +85,9 @@ class CheckpointManager:
         write_pointer: write the ``latest`` pointer file after each published save.
         writer_options, reader_options: extra keyword arguments for :class:`UCVolumeWriter` and
             :class:`UCVolumeReader`.
+        volume_options: options for the root's volume when ``root`` is a path or URL (S3 endpoint,
+            addressing style, checksums, part size, ...; see :func:`uc_checkpoint.volumes.open_volume`);
+            every checkpoint under the root gets them.
 
     Rank 0 of the group lists, validates and prunes; the others receive its answers (an error on
     rank 0 is raised on every rank, so no rank waits forever). Not thread-safe: call it from the
@@ -107,6 +110,7 @@ class CheckpointManager:
         write_pointer: bool = True,
         writer_options: dict[str, Any] | None = None,
         reader_options: dict[str, Any] | None = None,
+        volume_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(root, (str, os.PathLike, Volume)):
             raise TypeError(f"root must be a path, URL or Volume, got {type(root).__name__}")
@@ -121,7 +125,7 @@ class CheckpointManager:
             raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if list_attempts < 1:
             raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
-        self.root = root if isinstance(root, Volume) else open_volume(root)
+        self.root = open_volume(root, **(volume_options or {}))
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save

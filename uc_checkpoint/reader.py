@@ -96,6 +96,8 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
             ``.metadata`` pickle can name any function, so with ``True`` whoever could write to the
             checkpoint location can run code in this process. Set it only for checkpoints you trust
             whose metadata holds extra objects (e.g. a custom planner's ``planner_data``).
+        volume_options: options for the volume of a path or URL (see
+            :func:`uc_checkpoint.volumes.open_volume`).
 
     Raises (inside DCP's ``CheckpointException``):
         VolumeError: the location is a file, or its bucket does not exist.
@@ -124,6 +126,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
         range_gap_bytes: int = DEFAULT_GAP_BYTES,
         range_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         allow_unsafe_metadata: bool = False,
+        volume_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike, Volume)):
             raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
@@ -134,7 +137,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
                 raise ValueError(f"{arg} must be >= 1, got {value}")
         if range_gap_bytes < 0:
             raise ValueError(f"range_gap_bytes must be >= 0, got {range_gap_bytes}")
-        self._init_sessions(path)
+        self._init_sessions(path, volume_options)
         super().__init__(path=".")
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         #: This rank's :class:`~uc_checkpoint.records.TransferRecord` of the last load (None before one).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import VolumeError
@@ -26,11 +26,13 @@ class Session:
 
     Attributes:
         location: the checkpoint's path, URL or :class:`Volume`.
+        options: volume options for a path or URL (see :func:`uc_checkpoint.volumes.open_volume`).
         fresh: made by ``reset(checkpoint_id)``, not yet claimed by the save's or load's first hook.
         rank, use_collectives: what DCP passed to ``set_up_storage_writer``/``_reader``.
     """
 
     location: str | Volume
+    options: dict[str, Any] = field(default_factory=dict)
     fresh: bool = False
     rank: int | None = None
     use_collectives: bool = True
@@ -40,7 +42,7 @@ class Session:
     def volume(self) -> Volume:
         """The location as a :class:`Volume`, opened on first use (clients are made lazily)."""
         if self._volume is None:
-            self._volume = open_volume(self.location)
+            self._volume = open_volume(self.location, **self.options)
         return self._volume
 
 
@@ -54,13 +56,20 @@ class SessionOwner:
 
     session_type: type[Session] = Session
 
-    def _init_sessions(self, location: str | os.PathLike[str] | Volume) -> None:
-        """Raises VolumeError at once for a location no volume can take (empty, a bad bucket name)."""
+    def _init_sessions(self, location: str | os.PathLike[str] | Volume, volume_options: dict[str, Any] | None) -> None:
+        """Raises VolumeError at once for a location no volume can take (empty, a bad bucket name,
+        options the volume does not have)."""
         self._location: str | Volume = location if isinstance(location, Volume) else os.fspath(location)
-        open_volume(self._location)
+        self._volume_options: dict[str, Any] = dict(volume_options or {})
+        open_volume(self._location, **self._volume_options)
         self._sessions_lock = threading.Lock()
         self._sessions: dict[int, tuple[threading.Thread, Session]] = {}
-        self._idle = self.session_type(self._location)
+        self._idle = self._make_session(self._location)
+
+    def _make_session(self, location: str | Volume, fresh: bool = False) -> Session:
+        # A ready Volume carries its own options; a path or URL gets the object's.
+        options = {} if isinstance(location, Volume) else self._volume_options
+        return self.session_type(location, options=options, fresh=fresh)
 
     @property
     def _session(self) -> Session:
@@ -78,7 +87,7 @@ class SessionOwner:
         return self._new_session(entry[1].location if entry is not None else self._location, fresh=False)
 
     def _new_session(self, location: str | Volume, *, fresh: bool) -> Session:
-        session = self.session_type(location, fresh=fresh)
+        session = self._make_session(location, fresh)
         thread = threading.current_thread()
         with self._sessions_lock:
             # Threads of finished async saves are gone: drop their sessions.
@@ -96,7 +105,7 @@ class SessionOwner:
             # The argument, not self._location: another thread may reset it at the same moment.
             location = os.fspath(checkpoint_id)
             self._location = location
-            self._idle = self.session_type(location)
+            self._idle = self._make_session(location)
         return self._new_session(location, fresh=True)
 
     # ---- identity -----------------------------------------------------------------------------
@@ -145,7 +154,7 @@ class SessionOwner:
         state["_sessions"] = {}
         state["_sessions_lock"] = None
         # Only the location travels: the other side starts its own session for the save.
-        state["_idle"] = self.session_type(self._session.location)
+        state["_idle"] = self._make_session(self._session.location)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -180,6 +180,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             stays loadable until the new ``.metadata`` replaces it.
         create_parents: create missing parent directories of a local ``path``.
         sync_files: fsync data files and ``.metadata`` on the volume before publishing.
+        volume_options: options for the volume of a path or URL, e.g. ``{"endpoint_url": ...,
+            "checksums": False}`` for S3 (see :func:`uc_checkpoint.volumes.open_volume`).
 
     Raises (inside DCP's ``CheckpointException``):
         VolumeError: the location is a file, not writable, or its parent is missing (local and
@@ -210,6 +212,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         overwrite: bool = True,
         create_parents: bool = True,
         sync_files: bool = True,
+        volume_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike, Volume)):
             raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
@@ -223,7 +226,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         if file_size_bytes is not None and file_size_bytes < 1:
             raise ValueError(f"file_size_bytes must be >= 1, got {file_size_bytes}")
-        self._init_sessions(path)
+        self._init_sessions(path, volume_options)
         self._pending_tickets: deque[exit_guard.SaveTicket] = deque()
         # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
         super().__init__(

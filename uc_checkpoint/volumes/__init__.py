@@ -4,6 +4,7 @@ other fsspec URL."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..errors import VolumeError
 from .base import FileRecord, Volume
@@ -15,32 +16,40 @@ from .s3 import S3Volume
 __all__ = ["FileRecord", "FsspecVolume", "LocalVolume", "S3Volume", "Volume", "open_volume"]
 
 
-def open_volume(location: str | os.PathLike[str] | Volume) -> Volume:
+def open_volume(location: str | os.PathLike[str] | Volume, **options: Any) -> Volume:
     """The :class:`Volume` for a checkpoint location.
 
     Args:
         location: a local or FUSE path (``str`` or ``PathLike``) or ``file://`` URL
             (:class:`LocalVolume`); ``s3://bucket/prefix`` (:class:`S3Volume`, boto3's default
             configuration); any other URL fsspec knows (:class:`FsspecVolume`); or a
-            :class:`Volume`, returned as is. Build the volume yourself to pass options (endpoint,
-            client, part size, storage options).
+            :class:`Volume`, returned as is.
+        options: keyword arguments for the volume's constructor: :class:`S3Volume`'s
+            (``endpoint_url``, ``addressing_style``, ``part_size``, ``checksums``, ...) or an fsspec
+            filesystem's storage options. Every URL entry point passes them through
+            (``volume_options=`` of the writer, reader and manager; ``-o KEY=VALUE`` of the CLI).
 
     Every spelling of one place gives the same :attr:`Volume.url` (empty path segments, trailing
     slashes, ``file://localhost``; see :mod:`uc_checkpoint.volumes.locations`).
 
     Raises:
         VolumeError: the location is empty, the URL's scheme has no backend, an S3 bucket name S3
-            does not allow, a ``.``/``..`` segment in an object-store URL, or a ``file://`` URL
-            naming another host.
+            does not allow, a ``.``/``..`` segment in an object-store URL, a ``file://`` URL
+            naming another host, or ``options`` the volume does not take.
     """
     if isinstance(location, Volume):
+        if options:
+            raise VolumeError(f"volume options {sorted(options)} cannot apply to the ready volume {location.url}")
         return location
     text = require_location(os.fspath(location))
-    if "://" not in text:
-        return LocalVolume(text)
-    scheme = text.partition("://")[0].lower()
+    scheme = text.partition("://")[0].lower() if "://" in text else "file"
     if scheme == "file":
-        return LocalVolume(local_path_of_file_url(text))
+        if options:
+            raise VolumeError(f"local paths take no volume options, got {sorted(options)} for {text!r}")
+        return LocalVolume(local_path_of_file_url(text) if "://" in text else text)
     if scheme == "s3":
-        return S3Volume(text)
-    return FsspecVolume(text)
+        try:
+            return S3Volume(text, **options)
+        except TypeError as exc:  # an option S3Volume does not have
+            raise VolumeError(f"bad volume option for {text!r}: {exc}") from exc
+    return FsspecVolume(text, **options)

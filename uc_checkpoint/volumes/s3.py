@@ -87,7 +87,13 @@ class S3Volume(Volume):
         max_attempts: attempts per request (retries with exponential backoff and jitter).
         connect_timeout: seconds to open a connection.
         read_timeout: seconds without data before a response is given up (then retried).
-        checksums: ask the store to check and keep a CRC-32 of every object.
+        checksums: ask the store to check and keep a CRC-32 of every object (``x-amz-checksum-*``
+            and ``x-amz-sdk-checksum-algorithm`` headers, and ``x-amz-checksum-mode`` to read it
+            back). None (default): follow boto3's own settings, ``request_checksum_calculation`` and
+            ``response_checksum_validation`` (``AWS_REQUEST_CHECKSUM_CALCULATION`` /
+            ``AWS_RESPONSE_CHECKSUM_VALIDATION`` or the config file): ``when_required`` sends none of
+            those headers, for stores that refuse them. Without store checksums, uploads are verified
+            by size, and every byte read is still checked against the manifest's CRC-32s.
 
     Raises:
         VolumeError: ``url`` is not ``s3://bucket/...``.
@@ -110,7 +116,7 @@ class S3Volume(Volume):
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
-        checksums: bool = True,
+        checksums: bool | None = None,
     ) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
@@ -164,6 +170,18 @@ class S3Volume(Volume):
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
 
+    def _send_checksums(self) -> bool:
+        """Whether uploads carry a CRC-32 for the store to check and keep."""
+        if self.checksums is not None:
+            return self.checksums
+        return getattr(self.client.meta.config, "request_checksum_calculation", "when_supported") != "when_required"
+
+    def _read_checksums(self) -> bool:
+        """Whether HEADs ask for the stored CRC-32 (``x-amz-checksum-mode``)."""
+        if self.checksums is not None:
+            return self.checksums
+        return getattr(self.client.meta.config, "response_checksum_validation", "when_supported") != "when_required"
+
     # ---- clients (created on first use) -------------------------------------------------------
     @property
     def client(self) -> Any:
@@ -191,7 +209,11 @@ class S3Volume(Volume):
         from botocore.config import Config
 
         s3_options = {"addressing_style": self.addressing_style} if self.addressing_style else None
+        # checksums=False also keeps botocore from adding checksum headers of its own (it does on
+        # every PUT and GET by default), which stores that refuse them would reject.
+        quiet = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
         config = Config(
+            **(quiet if self.checksums is False else {}),
             retries={"mode": "standard", "total_max_attempts": self.max_attempts},
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
@@ -318,22 +340,23 @@ class S3Volume(Volume):
         size = local_path.stat().st_size
         multipart = size >= self.multipart_threshold
         digest = digest_file(local_path, part_size=self._effective_part_size(size) if multipart else None)
-        extra = {"ChecksumAlgorithm": "CRC32"} if self.checksums else {}
+        extra = {"ChecksumAlgorithm": "CRC32"} if self._send_checksums() else {}
         try:
             future = self._transfer_manager().upload(str(local_path), self.bucket, self.key(name), extra_args=extra)
             future.result()
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"uploading {local_path} to {where} failed: {exc}") from exc
+            raise TransferError(f"uploading {local_path} to {where} failed: {exc}{_hint(exc)}") from exc
         record = digest.record(name)
         self._verify_upload(name, record, digest, multipart)
         return record
 
     def _verify_upload(self, name: str, record: FileRecord, digest: Digest, multipart: bool) -> None:
         where = self.describe(name)
+        mode = {"ChecksumMode": "ENABLED"} if self._read_checksums() else {}
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name), ChecksumMode="ENABLED")
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name), **mode)
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"verifying {where} after upload failed: {exc}") from exc
+            raise TransferError(f"verifying {where} after upload failed: {exc}{_hint(exc)}") from exc
         landed = int(head["ContentLength"])
         if landed != record.size:
             raise TransferError(f"{where} landed with {landed} bytes, expected {record.size}")
@@ -439,7 +462,7 @@ class S3Volume(Volume):
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
         where = self.describe(name)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
-        if self.checksums:
+        if self._send_checksums():
             kwargs["ChecksumAlgorithm"] = "CRC32"
         if not overwrite:
             kwargs["IfNoneMatch"] = "*"
@@ -449,7 +472,12 @@ class S3Volume(Volume):
             status, code = _error_info(exc)
             if not overwrite and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
                 raise CheckpointExistsError(f"{where} already exists and overwrite=False") from exc
-            raise TransferError(f"publishing {where} failed: {exc}") from exc
+            if not overwrite and (status == 501 or code == "NotImplemented"):
+                raise TransferError(
+                    f"publishing {where} failed: the store does not support conditional writes (If-None-Match), "
+                    f"which overwrite=False needs; save with overwrite=True (the default): {exc}"
+                ) from exc
+            raise TransferError(f"publishing {where} failed: {exc}{_hint(exc)}") from exc
         reported = response.get("ChecksumCRC32")
         if reported and reported != crc32_base64(zlib.crc32(data)):
             raise TransferError(f"{where} was stored with CRC-32 {reported}, which does not match the bytes sent")
@@ -481,6 +509,22 @@ class S3Volume(Volume):
         except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a save
             logger.warning("could not abort incomplete uploads under %s: %s", self.url, exc)
         return aborted
+
+
+def _hint(exc: BaseException) -> str:
+    """What to change when a store refuses boto3's checksum headers (as several S3-compatible
+    stores do, with 400 InvalidArgument "Unsupported header 'x-amz-sdk-checksum-algorithm'"),
+    or "" for any other error."""
+    status, code = _error_info(exc)
+    text = str(exc).lower()
+    if status in (400, 501) and "checksum" in text and ("header" in text or code in ("InvalidArgument", "NotImplemented")):
+        return (
+            " (the store refuses S3's checksum headers: set AWS_REQUEST_CHECKSUM_CALCULATION=when_required and "
+            "AWS_RESPONSE_CHECKSUM_VALIDATION=when_required, or request_checksum_calculation / "
+            "response_checksum_validation in the AWS config file, or S3Volume(checksums=False); see "
+            "docs/operating.md#s3-compatible-stores)"
+        )
+    return ""
 
 
 def _error_info(exc: BaseException) -> tuple[int | None, str]:
