@@ -67,8 +67,8 @@ def _load_back(location: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["writer", "manager"])
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize(("kind", "mode"), [("writer", "thread"), ("writer", "process"), ("manager", "thread"),
+                                            ("manager", "process"), ("stager", "thread")])
 def test_a_save_in_flight_at_exit_is_finished(tmp_path: Path, kind: str, mode: str) -> None:
     location = tmp_path / "vol"
     proc = _exit_script(kind, mode, str(location), tmp_path)
@@ -313,3 +313,38 @@ def test_a_writer_pickles_without_its_sessions(tmp_path: Path) -> None:
     assert clone.checkpoint_id == str(tmp_path / "A")  # checkpoint_id sticks, as with DCP's writers
     dcp.save(_big(2.0), storage_writer=clone, checkpoint_id=tmp_path / "C", no_dist=True)
     assert (tmp_path / "C" / ".metadata").is_file()
+
+
+def test_a_save_without_checkpoint_id_stays_where_the_writer_pointed(tmp_path: Path) -> None:
+    # The second call's reset(Q) runs in its own thread and can come before the first save's thread
+    # starts: the first save must still go where the writer pointed when it was called.
+    for i in range(25):
+        writer = UCVolumeWriter(tmp_path / f"P{i}")
+        first = dcp.async_save({"w": torch.ones(16)}, storage_writer=writer, no_dist=True)
+        second = dcp.async_save({"w": torch.full((16,), 2.0)}, storage_writer=writer,
+                                checkpoint_id=tmp_path / f"Q{i}", no_dist=True)
+        first.result(timeout=60)
+        second.result(timeout=60)
+        for loc, value in ((tmp_path / f"P{i}", 1.0), (tmp_path / f"Q{i}", 2.0)):
+            target = {"w": torch.zeros(16)}
+            dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+            assert torch.equal(target["w"], torch.full((16,), value)), (i, loc)
+
+
+@pytest.mark.slow
+def test_destroying_the_process_group_under_a_save_never_publishes_one_ranks_share(tmp_path: Path) -> None:
+    # Each rank saves its own key; the script destroys the group right after manager.save().
+    # Before: DCP's background save then ran "without a process group" on each rank, and rank 0
+    # published a checkpoint holding only its own share, listed as complete.
+    root = tmp_path / "root"
+    for attempt in range(3):
+        proc = torchrun(SCRIPTS / "destroy_after_save.py", str(root / str(attempt)), timeout=240)
+        out = proc.stdout + proc.stderr
+        ckpt = root / str(attempt) / "step_00000003"
+        if (ckpt / ".metadata").is_file():
+            # Published despite the race: then it must be whole.
+            target = {"r0": torch.zeros(2_000_000), "r1": torch.zeros(2_000_000)}
+            dcp.load(target, storage_reader=UCVolumeReader(ckpt), no_dist=True)
+            assert torch.equal(target["r1"], torch.arange(2_000_000, dtype=torch.float32) + 1), out[-3000:]
+        else:
+            assert "failed" in proc.stderr, out[-3000:]  # and said so, loudly

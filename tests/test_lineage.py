@@ -156,3 +156,32 @@ def test_resuming_the_newest_step_abandons_nothing(tmp_path: Path) -> None:
     manager = run(root, [300], resume=200)
     assert not list((tmp_path / "root").glob(f"*/{ABANDONED_NAME}"))
     assert manager.latest() == 300 and published(root) == [200, 300]
+
+
+def test_taking_back_a_step_after_latest_saw_it_abandoned_keeps_it(tmp_path: Path) -> None:
+    # latest() notes the abandoned step; loading it and saving from it must clear that note too,
+    # or retention deletes the very step the run resumed from.
+    root = str(tmp_path / "root")
+    run(root, [100, 200], keep_last=None)
+    run(root, [110], resume=100, keep_last=None)
+    manager = CheckpointManager(root, keep_last=2)
+    assert manager.latest() == 110
+    saved_step(manager, 200)
+    manager.save(210, state(210))
+    manager.wait()
+    assert published(root) == [200, 210]
+    assert CheckpointManager(root).latest() == 210
+
+
+def test_a_marker_that_still_applies_is_not_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a mount that refuses to overwrite and to delete the marker, each restart of the rolled-back
+    # line must still save.
+    from .test_refusing_mounts import RefusingMount
+
+    root = tmp_path / "root"
+    run(str(root), [100, 200], keep_last=None)
+    RefusingMount(root, monkeypatch, refuse_deleting=ABANDONED_NAME)
+    run(str(root), [110], resume=100, keep_last=None)
+    run(str(root), [120], resume=110, keep_last=None)  # 200 is still above: its marker already applies
+    run(str(root), [130], resume=120, keep_last=None)
+    assert CheckpointManager(str(root)).latest() == 130

@@ -81,13 +81,7 @@ class SaveTicket:
             return not any(t.name.startswith(_DCP_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
         if not thread.is_alive() or thread is threading.current_thread():
             return True
-        frame = sys._current_frames().get(thread.ident or -1)
-        saver = _dcp_saver_file()
-        while frame is not None:
-            if frame.f_code.co_filename == saver:
-                return False
-            frame = frame.f_back
-        return True
+        return not _in_file(thread, _dcp_saver_file())
 
     def wait(self) -> None:
         """Block until :meth:`over`, or until an unstarted save has waited ``UNSTARTED_WAIT_S``."""
@@ -110,12 +104,37 @@ def _dcp_saver_file() -> str:
     return state_dict_saver.__file__
 
 
+def _in_file(thread: threading.Thread, filename: str) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_filename == filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _dcp_async_saves() -> list[threading.Thread]:
+    """Threads running a THREAD-mode ``dcp.async_save`` now, ours or not, including one still
+    waiting for an async stager to finish its copy (no hook of ours has run in it yet)."""
+    from torch.distributed.checkpoint import _async_thread_executor
+
+    me = threading.current_thread()
+    return [t for t in threading.enumerate()
+            if t is not me and t.is_alive() and _in_file(t, _async_thread_executor.__file__)]
+
+
 class _ExitGuard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tickets: list[SaveTicket] = []
         self._futures: list[tuple[Future[Any], str]] = []
         self._registered = False
+
+    def install(self) -> None:
+        """Register the exit callback now (the writer module does, when imported), so that it also
+        covers saves none of our hooks has seen yet (e.g. one waiting for an async stager)."""
+        with self._lock:
+            self._register()
 
     def _register(self) -> None:
         if self._registered:
@@ -144,6 +163,13 @@ class _ExitGuard:
         with self._lock:
             tickets = [t for t in self._tickets if not t.over()]
             futures = [(f, w) for f, w in self._futures if not f.done()]
+        running = _dcp_async_saves()
+        if running and not tickets and not futures:
+            logger.warning("interpreter exiting: waiting for %d checkpoint save(s) in flight to finish", len(running))
+        # Until DCP's save threads are done, nothing may shut the thread pools their writers use.
+        while running:
+            running[0].join(0.05)
+            running = _dcp_async_saves()
         if not tickets and not futures:
             return
         names = sorted({t.what for t in tickets} | {w for _f, w in futures})
@@ -168,6 +194,11 @@ class _ExitGuard:
 _GUARD = _ExitGuard()
 
 
+def install() -> None:
+    """Register the exit callback (idempotent)."""
+    _GUARD.install()
+
+
 def open_ticket(what: str, *, background: bool = False) -> SaveTicket:
     """Register a save in flight; the interpreter's exit waits until it is over. ``background``:
     an async save, whose failure is logged (at ERROR) when it happens."""
@@ -179,4 +210,4 @@ def watch_future(fut: Future[Any], what: str) -> None:
     _GUARD.watch(fut, what)
 
 
-__all__ = ["SaveTicket", "UNSTARTED_WAIT_S", "open_ticket", "watch_future"]
+__all__ = ["SaveTicket", "UNSTARTED_WAIT_S", "install", "open_ticket", "watch_future"]

@@ -278,6 +278,7 @@ class CheckpointManager:
             if lineage.marker_applies(raw, layout.manifest_of(metadata)):
                 self._abandoned.add(info.step)
                 return lineage.describe_marker(raw)
+        self._abandoned.discard(info.step)  # taken back, or saved again since
         return missing_or_short(location, metadata, files)
 
     def _latest_local(self) -> int | None:
@@ -385,12 +386,18 @@ class CheckpointManager:
         the steps abandoned now."""
         infos = self._list_local()
         resumed = self._resumed_from
+        self._abandoned.discard(step)  # saved again now, on this line
         if resumed is not None:
+            self._abandoned.discard(resumed)
             location = self.root.child(checkpoint_name(resumed))
             if location.size(ABANDONED_NAME) is not None:
-                location.delete(ABANDONED_NAME)
-                logger.warning("checkpoint manager: step %d, abandoned by an earlier rollback, was loaded and "
-                               "is saved from: it is part of the run's line again", resumed)
+                try:
+                    location.delete(ABANDONED_NAME)
+                except TransferError as exc:  # a mount that refuses deletes: newer saves win anyway
+                    logger.warning("checkpoint manager: could not take back step %d (%s)", resumed, exc)
+                else:
+                    logger.warning("checkpoint manager: step %d, abandoned by an earlier rollback, was loaded and "
+                                   "is saved from: it is part of the run's line again", resumed)
         newer = lineage.newer_published([i.step for i in infos if i.published], step)
         marked = []
         for old in newer:
@@ -399,11 +406,15 @@ class CheckpointManager:
             location = self.root.child(checkpoint_name(old))
             reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
             try:
-                save_id = (layout.manifest_of(self._retry(f"read {location.url}", reader.load_metadata)) or {}).get("save_id")
+                manifest = layout.manifest_of(self._retry(f"read {location.url}", reader.load_metadata))
             except (CorruptCheckpointError, CheckpointNotFoundError):
                 continue  # broken or gone: latest() skips it anyway
-            location.publish_bytes(ABANDONED_NAME, lineage.abandonment_marker(save_id, step, resumed), overwrite=True)
             self._abandoned.add(old)
+            if location.size(ABANDONED_NAME) is not None and lineage.marker_applies(
+                    location.read_bytes(ABANDONED_NAME), manifest):
+                continue  # an earlier rollback's marker still says so (and some mounts refuse rewrites)
+            location.publish_bytes(ABANDONED_NAME, lineage.abandonment_marker((manifest or {}).get("save_id"), step, resumed),
+                                   overwrite=True)
             marked.append(old)
         if marked:
             logger.warning(
@@ -418,6 +429,9 @@ class CheckpointManager:
         if event.ok:
             logger.info("checkpoint step %d: %s bytes in %s files to %s; blocked %.3f s, published after %.3f s",
                         event.step, event.bytes, event.files, event.location, event.blocked_s, event.publish_s)
+        elif self.async_save:
+            # Raised again by the next save() or wait(), but a script may never call either.
+            logger.error("checkpoint step %d: the save to %s failed: %s", event.step, event.location, event.error)
         if mlflow_run_id is not None:
             log_to_mlflow(mlflow_run_id, event)
 

@@ -76,15 +76,18 @@ class SessionOwner:
         entry = self._sessions.get(threading.get_ident())
         return entry[1] if entry is not None else self._idle
 
-    def _begin_session(self) -> Session:
-        """The calling thread starts a save or load: a new session at the current location, unless
-        ``reset(checkpoint_id)`` just made one for it."""
+    def _begin_session(self, location: str | Volume | None = None) -> Session:
+        """The calling thread starts a save or load: a new session, unless ``reset(checkpoint_id)``
+        just made one for it. Its location: ``location`` (where the caller stood when it asked
+        for this save), else this thread's last one, else the object's."""
         entry = self._sessions.get(threading.get_ident())
         if entry is not None and entry[1].fresh:
             entry[1].fresh = False
             return entry[1]
-        # A thread's saves stay where its last reset(checkpoint_id) pointed, whatever other threads do.
-        return self._new_session(entry[1].location if entry is not None else self._location, fresh=False)
+        if location is None:
+            # A thread's saves stay where its last reset(checkpoint_id) pointed, whatever other threads do.
+            location = entry[1].location if entry is not None else self._location
+        return self._new_session(location, fresh=False)
 
     def _new_session(self, location: str | Volume, *, fresh: bool) -> Session:
         session = self._make_session(location, fresh)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -82,6 +83,8 @@ except ImportError:  # pragma: no cover - older torch
     CURRENT_DCP_VERSION = "1.0.0"
 
 logger = logging.getLogger(__name__)
+
+exit_guard.install()  # a save in flight when the script ends is finished first
 
 #: The automatic data-file size (``file_size_bytes=None``): a rank's share of the checkpoint is cut
 #: into about this many files, so the first upload starts early and the last one is short, but the
@@ -227,7 +230,10 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         if file_size_bytes is not None and file_size_bytes < 1:
             raise ValueError(f"file_size_bytes must be >= 1, got {file_size_bytes}")
         self._init_sessions(path, volume_options)
-        self._pending_tickets: deque[exit_guard.SaveTicket] = deque()
+        # Async saves staged but not yet set up: their exit ticket, where the caller's writer pointed
+        # then (another save's reset may move it before this one's thread starts), and the world
+        # size it was staged in (None without a process group).
+        self._pending: deque[tuple[exit_guard.SaveTicket, str | Volume, int | None]] = deque()
         # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
         super().__init__(
             path=".", single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=overwrite
@@ -275,9 +281,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # DCP's PROCESS mode pickles the writer for its background process: a save staged here
         # continues there, where the exit guard has nothing to wait for.
         state = super().__getstate__()
-        if self._pending_tickets:
-            self._pending_tickets.popleft().end()
-        state["_pending_tickets"] = deque()
+        if self._pending:
+            self._pending.popleft()[0].end()
+        state["_pending"] = deque()
         return state
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -295,20 +301,32 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             logger.debug("staging with DCP's stager: %s", exc)
             staged = super().stage(state_dict)
         # The save's thread does not exist yet: an exit right after async_save must still wait.
-        self._pending_tickets.append(exit_guard.open_ticket(str(self._location), background=True))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        self._pending.append((exit_guard.open_ticket(str(self._location), background=True), self._location, world))
         return staged
 
     # ---- planning -----------------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        save = self._begin_session()
+        try:
+            ticket, location, world = self._pending.popleft()
+        except IndexError:  # a synchronous save (or PROCESS mode's background process)
+            ticket, location, world = exit_guard.open_ticket(str(self._location)), None, None
+        save = self._begin_session(location)
         assert isinstance(save, _SaveSession)
+        save.ticket = ticket
+        ticket.bind(save.volume.url)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         save.is_coordinator = is_coordinator
-        try:
-            save.ticket = self._pending_tickets.popleft()
-        except IndexError:  # a synchronous save (or PROCESS mode's background process)
-            save.ticket = exit_guard.open_ticket(str(save.location))
-        save.ticket.bind(save.volume.url)
+        if world is not None and world > 1 and not (dist.is_available() and dist.is_initialized()):
+            # DCP decides "no process group, save alone" when the background save starts: a group
+            # destroyed meanwhile would have each rank publish its own share as the whole checkpoint.
+            error = StagingError(
+                f"save to {save.volume.url} abandoned: it was started by {world} ranks, but the process group "
+                "was destroyed before it ran (call CheckpointManager.wait() or the save's future .result() "
+                "before dist.destroy_process_group()); nothing is published"
+            )
+            ticket.end(error)
+            raise error
 
     def _end_save(self, error: BaseException | None = None) -> None:
         """This rank's part of the save is over: the interpreter's exit need not wait for it."""

@@ -1,7 +1,8 @@
 """A script that starts an async save and ends at once, as users write them.
 
 Usage: exit_with_save_in_flight.py KIND MODE LOCATION [PG_FILE]
-    KIND: ``writer`` (``dcp.async_save`` with ``UCVolumeWriter``) or ``manager``
+    KIND: ``writer`` (``dcp.async_save`` with ``UCVolumeWriter``), ``stager`` (the same with DCP's
+    ``DefaultStager`` staging asynchronously) or ``manager``
     (``CheckpointManager.save``, step 5, under LOCATION as root).
     MODE: ``thread`` or ``process`` (DCP's async_checkpointer_type; process needs PG_FILE for a
     1-rank gloo group).
@@ -17,6 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from uc_checkpoint import UCVolumeWriter
@@ -30,10 +32,13 @@ def main() -> None:
     if mode == "process":
         dist.init_process_group("gloo", init_method=f"file://{sys.argv[4]}", rank=0, world_size=1)
     state = {"w": torch.full((1000,), 7.0), "big": torch.arange(3_000_000, dtype=torch.float32)}
-    if kind == "writer":
+    if kind in ("writer", "stager"):
         kind_of = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+        # "stager": DCP's own stager copies in a thread of its own, so none of the writer's hooks
+        # has run when the script ends.
+        stager = DefaultStager(StagingOptions(False, False, True, False)) if kind == "stager" else None
         dcp.async_save(state, storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20),
-                       async_checkpointer_type=kind_of)
+                       async_checkpointer_type=kind_of, async_stager=stager)
     else:
         manager = CheckpointManager(location, async_mode=mode, writer_options={"file_size_bytes": 2 << 20})
         manager.save(5, state)
