@@ -22,16 +22,31 @@ Usage (one per rank)::
             ...
             dcp.async_save(state, storage_writer=UCVolumeWriter(path))
 
+Iterators and reloads: an iterator of :class:`TrackedDataLoader` reads the tracker's work as it was
+when the iterator was created. ``tracker.start_epoch(...)`` (other than the one that continues a
+restored epoch) and every load (``tracker.load_global_state``, ``loader.load_state_dict``, ``dcp.load``),
+even of the very state already loaded, replace that work; an iterator created before then raises
+:class:`DataLoadingError` at its next batch, and so does an iterator once a newer one of the same
+loader was created. The next ``iter(loader)`` (a new ``for`` loop) reads the new work from its first
+batch. So a load either shows in the next iterator's batches or is refused loudly; it never lets the
+batches drift from what the tracker records.
+
 Persistent workers (``persistent_workers=True``) keep their copy of the tracker across epochs: a
-shared-memory control block tells them the current epoch, assignment and per-worker progress, from
-which they recompute their slices. A :meth:`DataTracker.load_global_state` after the workers started
-cannot be followed that way; the loader then restarts its workers (logged).
+shared-memory control block tells them the current epoch, assignment and per-worker progress at every
+new iterator, from which they recompute their slices. A :meth:`DataTracker.load_global_state` after
+the workers started cannot be followed that way (the loaded work and seed are not in their copy); the
+loader restarts its workers at the first iterator after any load (logged).
+
+``drop_last=True`` needs ``DataTracker(..., batch_size=<the loader's batch_size>)``: the tracker then
+cuts the work in whole batches, so an epoch drops the same ``total % batch_size`` samples however often
+it is resumed (see the tracker's module docs).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +57,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .data_tracker import DataTracker, ShardSpec
-from .errors import DataLoadingError
+from .errors import DataLoadingError, TrackerStateError
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +109,12 @@ class _TaggingCollate:
             raise DataLoadingError(f"a batch mixed items of workers {sorted(workers)}")
         collate = self.collate_fn or default_collate
         return _TaggedBatch(items[0].worker, sum(t.count for t in items), collate([t.item for t in items]))
+
+
+def _raising(exc: Exception) -> Iterator[Any]:
+    """An iterator that raises ``exc`` at its first ``next()``."""
+    raise exc
+    yield  # unreachable; makes this a generator function
 
 
 class TrackedShardDataset(IterableDataset):
@@ -156,10 +177,15 @@ class TrackedShardDataset(IterableDataset):
         if info is not None:  # a worker's copy: catch up with the main process
             control = self._control.tolist()
             if not tracker.follow(control[1], _int64_to_id(control[0]), control[2:]):
-                raise DataLoadingError(
-                    "a data-loader worker cannot follow a DataTracker.load_global_state() made after it "
-                    "started; create a new loader iterator (TrackedDataLoader does)"
-                )
+                # Raised at the first item, not here: a persistent worker calls iter() outside the
+                # DataLoader's error forwarding and would die ("worker exited unexpectedly"), while
+                # an error from next() reaches the training loop as this DataLoadingError.
+                return _raising(DataLoadingError(
+                    f"data-loader worker {worker} cannot follow a DataTracker.load_global_state() made "
+                    "after it started (its copy of the tracker lacks the loaded work); restart the "
+                    "workers: TrackedDataLoader does so at the first iterator after a load, a loader of "
+                    "your own must not keep persistent workers across a load"
+                ))
         return self._read(tracker, worker)
 
     def _read(self, tracker: DataTracker, worker: int) -> Iterator[_Tagged]:
@@ -244,15 +270,19 @@ class TrackerStateful:
 
         Raises:
             DatasetMismatchError: the state belongs to a different dataset (see the tracker).
-            ValueError: ``state_dict`` is not one this class wrote.
+            TrackerStateError: (a ``ValueError``) ``state_dict`` is not one this class wrote: no
+                ``global_state`` text, not JSON, or a malformed tracker state (the message names the
+                field).
         """
         raw = state_dict.get("global_state") if isinstance(state_dict, dict) else None
         if not isinstance(raw, str):
-            raise ValueError(f"not a TrackerStateful state dict (no 'global_state' text): {type(state_dict).__name__}")
+            raise TrackerStateError(
+                f"not a TrackerStateful state dict (no 'global_state' text): {type(state_dict).__name__}"
+            )
         try:
             state = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"data tracker state is not valid JSON: {exc}") from None
+            raise TrackerStateError(f"data tracker state 'global_state' is not valid JSON: {exc}") from None
         self.tracker.load_global_state(state)
         for line in _describe_resume(self.tracker):
             logger.info("%s", line)
@@ -270,6 +300,71 @@ def _describe_resume(tracker: DataTracker) -> list[str]:
     return lines
 
 
+class _TrackedIterator:
+    """One pass over a :class:`TrackedDataLoader`: hands out batches and records them as consumed.
+
+    It is bound to the tracker's work at the time it was created, which is what its workers read.
+    Once that work is replaced (:attr:`DataTracker.generation` moved) or a newer iterator of the same
+    loader was created, every further ``next()`` raises :class:`DataLoadingError`: a batch handed out
+    then would be recorded against work it does not belong to.
+    """
+
+    def __init__(self, tracker: DataTracker, loader: Any) -> None:
+        self._tracker = tracker
+        self._generation = tracker.generation
+        self._epoch = tracker.epoch
+        self._it: Iterator[_TaggedBatch] | None = iter(loader)
+        self._refusal: str | None = None
+        self._finished = False
+
+    def __iter__(self) -> _TrackedIterator:
+        return self
+
+    def _retire(self, why: str) -> None:
+        self._refusal = why
+        # Dropping the DataLoader iterator lets non-persistent workers shut down now rather than
+        # prefetching for a pass nobody will finish.
+        self._it = None
+
+    def __next__(self) -> Any:
+        """The next batch, recorded as consumed.
+
+        Raises:
+            StopIteration: the pass is over (every sample of this rank's slices was read).
+            DataLoadingError: the tracker's work was replaced since this iterator was created, or a
+                newer iterator of the loader exists; create a new one with ``iter(loader)``.
+        """
+        if self._finished:
+            raise StopIteration
+        tracker = self._tracker
+        if self._refusal is None and tracker.generation != self._generation:
+            self._retire(
+                f"this loader iterator was created for epoch {self._epoch} (tracker generation "
+                f"{self._generation}), but the DataTracker's work changed since (start_epoch() or "
+                f"load_global_state()/load_state_dict(); now epoch {tracker.epoch}, generation "
+                f"{tracker.generation}) while a loader iterator was running. Its workers read the old "
+                "work, so its batches would not be the samples the tracker records. Create a new "
+                "iterator: iter(loader) (a new `for batch in loader` loop)."
+            )
+        if self._refusal is not None:
+            raise DataLoadingError(self._refusal)
+        assert self._it is not None  # only _retire and the end of the pass clear it
+        try:
+            tagged = next(self._it)
+        except StopIteration:
+            self._finished = True
+            self._it = None
+            # Every sample of this rank's slices was read: what is still unrecorded was dropped in
+            # the workers after their last item (by the transform, or as drop_last's partial batch).
+            for w in range(tracker.workers_per_rank):
+                left = tracker.samples_left(w)
+                if left:
+                    tracker.record(w, left)
+            raise
+        tracker.record(tagged.worker, tagged.count)
+        return tagged.batch
+
+
 class TrackedDataLoader:
     """A DataLoader over a :class:`TrackedShardDataset` that records consumption as batches are
     handed out, and a DCP ``Stateful`` (see :class:`TrackerStateful`).
@@ -283,13 +378,26 @@ class TrackedDataLoader:
         collate_fn: collates a list of items into a batch (default ``default_collate``); runs in the
             workers.
         **loader_kwargs: passed to ``loader_cls`` (``batch_size``, ``num_workers`` (must equal the
-            tracker's), ``persistent_workers``, ``prefetch_factor``, ``pin_memory``, ...). ``shuffle``,
-            ``sampler`` and ``batch_sampler`` are refused: the order is the tracker's.
+            tracker's), ``persistent_workers``, ``prefetch_factor``, ``pin_memory``, ``drop_last``,
+            ...). ``shuffle``, ``sampler`` and ``batch_sampler`` are refused: the order is the
+            tracker's.
 
     A sample counts as consumed when the batch holding it is yielded to the training loop: batches
     prefetched by workers but not yet yielded at a save are read again after a resume. When the
     iterator is exhausted every sample of this rank's slices was read, so the tracker records the
-    rank's work as finished (covering samples a transform dropped at the very end).
+    rank's work as finished (covering samples a transform dropped at the very end, and the partial
+    batch each worker drops with ``drop_last=True``).
+
+    Each ``iter(loader)`` reads the tracker's work as it is at that moment. After
+    ``tracker.start_epoch`` (except the call that continues a restored epoch) or any load
+    (:meth:`load_state_dict`, ``tracker.load_global_state``, ``dcp.load``; also of the state already
+    loaded), iterators created before it raise :class:`DataLoadingError` at their next batch;
+    creating a new iterator retires the older ones the same way. Persistent workers are restarted at
+    the first iterator after a load and kept otherwise.
+
+    ``drop_last=True`` drops each worker's last partial batch. It needs a tracker built with
+    ``batch_size=`` the loader's batch size, which cuts the work in whole batches so that an epoch
+    drops the same ``total % batch_size`` samples whether or not it was interrupted and resumed.
 
     Unless ``generator=`` is given, the loader gets a private ``torch.Generator`` seeded from the
     tracker's seed: a plain DataLoader draws from torch's global RNG at every new iterator, so
@@ -297,7 +405,9 @@ class TrackedDataLoader:
     and break bit-exact resumption.
 
     Raises:
-        DataLoadingError: ``num_workers`` differs from the tracker's; a reader broke its contract.
+        DataLoadingError: ``num_workers`` differs from the tracker's; ``drop_last=True`` with a tracker
+            whose ``batch_size`` is not the loader's; a reader broke its contract; a stale iterator
+            was used (see above).
         TypeError: ``shuffle``/``sampler``/``batch_sampler`` given.
     """
 
@@ -322,7 +432,17 @@ class TrackedDataLoader:
                 f"num_workers={num_workers} but the DataTracker was built with num_workers="
                 f"{dataset.tracker.num_workers}: each worker is one consumer of the tracker"
             )
-        batched = loader_kwargs.get("batch_size", 1) is not None
+        batch_size = loader_kwargs.get("batch_size", 1)  # DataLoader's default
+        batched = batch_size is not None
+        if loader_kwargs.get("drop_last") and batched and dataset.tracker.batch_size != batch_size:
+            # Every worker would drop its own partial batch, and a resume re-cuts the work into new
+            # partial batches: an interrupted epoch would lose more samples than an uninterrupted one.
+            raise DataLoadingError(
+                f"drop_last=True with batch_size={batch_size} needs a DataTracker built with "
+                f"batch_size={batch_size} (it has batch_size={dataset.tracker.batch_size}), so that the "
+                "work is cut in whole batches and a resumed epoch drops no more samples than an "
+                "uninterrupted one; or use drop_last=False and handle the short last batch of each worker"
+            )
         self.dataset = dataset
         self.tracker = dataset.tracker
         self._stateful = TrackerStateful(dataset.tracker, process_group, include_shard_list=include_shard_list)
@@ -333,40 +453,36 @@ class TrackedDataLoader:
             # to be created: a resumed run (new iterator after the RNG was restored) would diverge.
             loader_kwargs["generator"] = torch.Generator().manual_seed(dataset.tracker.seed)
         self._loader_kwargs = dict(loader_kwargs, collate_fn=_TaggingCollate(collate_fn, batched))
+        self._persistent = bool(loader_kwargs.get("persistent_workers", False))
         self._loader: Any = None
-        self._loaded_work: str | None = None  # assignment the current workers' copies were made with
+        self._workers_load_count = 0  # tracker.load_count when the persistent workers were started
+        self._current: weakref.ref[_TrackedIterator] | None = None
 
     def _get_loader(self) -> Any:
-        persistent = self._loader_kwargs.get("persistent_workers", False)
-        if self._loader is not None and persistent and self.tracker.work_from_checkpoint:
-            if self._loaded_work != self.tracker.assignment_id:
-                # Persistent workers hold a tracker copy from before this load; they can follow new
-                # epochs but not restored work.
-                logger.info("data loader: restarting persistent workers to pick up restored data state")
-                self._loader = None
+        if self._loader is not None and self._persistent and self._workers_load_count != self.tracker.load_count:
+            # The workers' tracker copies predate a load: they can follow new epochs, not loaded work
+            # (nor a loaded seed), whatever the assignment looks like now.
+            logger.info("data loader: restarting persistent workers to pick up the loaded data state")
+            self._loader = None
         if self._loader is None:
             self._loader = self._loader_cls(self.dataset, **self._loader_kwargs)
-            self._loaded_work = self.tracker.assignment_id
+            self._workers_load_count = self.tracker.load_count
         return self._loader
 
     def __iter__(self) -> Iterator[Any]:
+        """A new pass over this rank's remaining work (see the class docs for what retires it)."""
+        previous = self._current() if self._current is not None else None
+        if previous is not None:
+            # With persistent workers both would drive the same DataLoader iterator; without, both
+            # would read the same unconsumed samples. Either way samples would be handed out twice.
+            previous._retire(
+                "a newer iterator of this TrackedDataLoader was created after this one; only the newest "
+                "one hands out batches (two would read the same samples). Use the new iterator."
+            )
         self.dataset.publish_progress()
-        loader = self._get_loader()
-        tracker = self.tracker
-        assignment = tracker.assignment_id
-        for tagged in loader:
-            if tracker.assignment_id != assignment:
-                raise DataLoadingError(
-                    "the DataTracker's work changed (start_epoch or load_global_state) while a loader "
-                    "iterator was running; create a new iterator after changing it"
-                )
-            tracker.record(tagged.worker, tagged.count)
-            yield tagged.batch
-        if tracker.assignment_id == assignment:
-            for w in range(tracker.workers_per_rank):
-                left = tracker.samples_left(w)
-                if left:  # dropped by the transform after the worker's last item
-                    tracker.record(w, left)
+        it = _TrackedIterator(self.tracker, self._get_loader())
+        self._current = weakref.ref(it)
+        return it
 
     # DCP Stateful
     def state_dict(self) -> dict[str, Any]:
@@ -374,7 +490,8 @@ class TrackedDataLoader:
         return self._stateful.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """See :meth:`TrackerStateful.load_state_dict`; the next iterator reads the restored work."""
+        """See :meth:`TrackerStateful.load_state_dict`; the next iterator reads the restored work, and
+        iterators created before the load refuse to go on (:class:`DataLoadingError`)."""
         self._stateful.load_state_dict(state_dict)
 
 

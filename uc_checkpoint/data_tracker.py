@@ -18,7 +18,9 @@ i.e. records as stored in the shard, before any filtering, tokenising or packing
   ``rank * workers_per_rank + worker`` where ``workers_per_rank = max(1, num_workers)`` (with
   ``num_workers=0`` the rank's main process is its single consumer, worker 0). :func:`assign` cuts the
   remaining work, in stream order, into one contiguous slice per consumer; slice sizes differ by at most
-  one sample, the first consumers getting the extra ones.
+  one sample, the first consumers getting the extra ones. (With ``DataTracker(batch_size=b)`` the cut
+  is in whole batches of ``b`` samples instead, with at most one partial batch in the whole run: see
+  ``drop_last`` below.)
 * **Progress** of a consumer is a single integer: how many samples of its slice it has consumed. A
   consumer reads its slice in order and the training loop consumes one worker's output in the order the
   worker produced it, so what was consumed is always a *prefix* of the slice. The rank's progress
@@ -60,20 +62,38 @@ One :class:`DataTracker` per rank, living in the training process::
 * Call :meth:`DataTracker.record` where samples are consumed by training, not where they are
   prefetched: samples sitting in a prefetch queue at save time are not consumed and will be read again
   after a resume, which is what exactly-once requires.
-* The loader's workers get a copy of the tracker when its iterator is created; with
-  ``persistent_workers=True`` they would keep reading the slices of an old epoch or of the run before a
-  resume, so create a new iterator (and no persistent workers) after :meth:`DataTracker.start_epoch`
-  and :meth:`DataTracker.load_global_state`. A new iterator of the same assignment starts each worker
-  at its recorded position (what was prefetched but not consumed is read again).
+* The loader's workers get a copy of the tracker when its iterator is created, so create a new
+  iterator after :meth:`DataTracker.start_epoch` and :meth:`DataTracker.load_global_state`: both
+  replace the work (even a reload of the very state the tracker holds resets its progress) and bump
+  :attr:`DataTracker.generation` (except the ``start_epoch`` that continues a restored epoch, which
+  changes nothing). ``TrackedDataLoader`` refuses to go on with an iterator created
+  before the bump (``DataLoadingError`` at its next batch) rather than hand out batches of the old
+  work that the tracker would record against the new one. A new iterator of the same assignment
+  starts each worker at its recorded position (what was prefetched but not consumed is read again).
+* Persistent workers (``persistent_workers=True``) are supported by ``TrackedDataLoader``: at every
+  new iterator they read the main process's epoch, assignment and progress from a shared control
+  block and follow a new epoch themselves (its work is a function of ``(seed, epoch)``); they cannot
+  follow a :meth:`DataTracker.load_global_state` (their copy lacks the loaded work and seed), so the
+  loader restarts them at the first iterator after any load (:attr:`DataTracker.load_count`). A
+  loader of your own must do the same or not keep workers across a load.
+* ``drop_last``: a loader that batches in its workers drops each worker's last partial batch; the
+  dropped samples count as consumed when the iterator ends (read zero times, like any ``drop_last``).
+  With slices cut per sample every consumer may end on a partial batch, and a resume re-cuts the work
+  into new partial batches, so an interrupted epoch would drop more than an uninterrupted one. Build
+  the tracker with ``batch_size=`` the loader's batch size: every slice but one in the whole run is
+  then whole batches, the run's consumed counts stay multiples of the batch size at every save, and
+  an epoch drops exactly ``total % batch_size`` samples (with an unchanged batch size and a transform
+  that drops nothing) however often and onto whatever topology it is resumed.
+  ``TrackedDataLoader(drop_last=True)`` refuses a tracker without it.
 * Save the global state in the same atomic checkpoint as the model: progress recorded after a save is
   lost together with the model updates it fed, and the samples are read again after the resume.
 
 Uneven ends
 ===========
 
-Slices differ by at most one sample, so when an epoch is started on a fresh dataset a rank gets at most
-``workers_per_rank`` samples more than another; after a resume the remaining work is re-balanced the
-same way. A consumer whose slice is used up yields nothing more in this epoch
+Slices differ by at most one sample (one batch with ``batch_size``), so when an epoch is started on a
+fresh dataset a rank gets at most ``workers_per_rank`` samples (batches) more than another; after a
+resume the remaining work is re-balanced the same way. A consumer whose slice is used up yields nothing more in this epoch
 (:meth:`DataTracker.consumer_slices` is empty, :meth:`DataTracker.rank_exhausted` turns true), while
 other ranks may still hold a few samples. Synchronous data-parallel training must not let one rank stop
 stepping while others continue (collectives would hang), so the loop has to choose one of:
@@ -114,7 +134,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DatasetMismatchError
+from .errors import DatasetMismatchError, TrackerStateError
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +145,10 @@ STATE_FORMAT = 1
 _FINGERPRINT_TAG = b"uc_checkpoint.data_tracker.fingerprint.v1\n"
 _ORDER_TAG = "uc_checkpoint.data_tracker.order.v1"
 _ASSIGNMENT_TAG = b"uc_checkpoint.data_tracker.assignment.v1\n"
+#: Keys every saved state has (``shards`` is optional).
+_STATE_KEYS = frozenset(
+    {"format", "fingerprint", "seed", "epoch", "remaining", "samples_consumed_in_epoch", "num_shards"}
+)
 
 
 def _check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
@@ -133,6 +157,17 @@ def _check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _state_int(value: Any, field: str, *, minimum: int | None = None) -> int:
+    """``value`` as a field of a saved or gathered state: an int (not a bool) of at least
+    ``minimum``, else :class:`TrackerStateError` naming ``field``. (Arguments of the API go through
+    :func:`_check_int`, whose TypeError/ValueError suit a caller's mistake; a state is data.)"""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TrackerStateError(f"data tracker state: {field} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise TrackerStateError(f"data tracker state: {field} must be >= {minimum}, got {value}")
     return value
 
 
@@ -242,27 +277,51 @@ def _drop_prefix(intervals: Sequence[Interval], count: int) -> list[Interval]:
     return out
 
 
-def assign(remaining: Sequence[Interval], num_consumers: int) -> list[list[Interval]]:
+def slice_sizes(total: int, num_consumers: int, batch_size: int = 1) -> list[int]:
+    """Sizes (in samples) of the slices :func:`assign` cuts ``total`` samples into.
+
+    The work is counted in whole batches of ``batch_size`` samples plus ``partial = total %
+    batch_size`` samples: with ``total // batch_size = q * num_consumers + r`` batches, the first
+    ``r`` consumers get ``q + 1`` batches, the others ``q``, and the partial batch goes to consumer
+    ``r`` (the first one with a batch fewer; consumer 0 when all have as many). So at most one
+    consumer's slice is not a whole number of batches, and sizes differ by at most ``batch_size``.
+    With ``batch_size=1`` that is: sizes differ by at most one sample, the first consumers getting
+    the extra ones.
+
+    Raises:
+        TypeError, ValueError: an argument is not an int, or ``num_consumers``/``batch_size`` < 1.
+    """
+    _check_int(total, "total", minimum=0)
+    _check_int(num_consumers, "num_consumers", minimum=1)
+    _check_int(batch_size, "batch_size", minimum=1)
+    batches, partial = divmod(total, batch_size)
+    base, extra = divmod(batches, num_consumers)
+    sizes = [(base + (1 if c < extra else 0)) * batch_size for c in range(num_consumers)]
+    sizes[extra] += partial  # extra < num_consumers, so there is always such a consumer
+    return sizes
+
+
+def assign(remaining: Sequence[Interval], num_consumers: int, batch_size: int = 1) -> list[list[Interval]]:
     """Cut ``remaining`` (in stream order) into ``num_consumers`` contiguous slices.
 
-    Consumer ``c`` gets the ``c``-th slice. Slice sizes (in samples) differ by at most one: with
-    ``total = q * num_consumers + r`` the first ``r`` consumers get ``q + 1`` samples, the others ``q``.
-    A slice may start or end inside a shard and span several shards; slices are empty when there are
-    fewer samples than consumers. Concatenating the slices gives back ``remaining`` (neighbouring
-    pieces of one shard merged).
+    Consumer ``c`` gets the ``c``-th slice, of the size :func:`slice_sizes` gives: with the default
+    ``batch_size=1`` sizes differ by at most one sample (with ``total = q * num_consumers + r`` the
+    first ``r`` consumers get ``q + 1`` samples, the others ``q``); with a larger ``batch_size``
+    every slice but at most one is a whole number of batches. A slice may start or end inside a
+    shard and span several shards; slices are empty when there is too little work. Concatenating
+    the slices gives back ``remaining`` (neighbouring pieces of one shard merged).
     """
     _check_int(num_consumers, "num_consumers", minimum=1)
     for iv in remaining:
         if not isinstance(iv, Interval):
             raise TypeError(f"assign() expects Interval items, got {type(iv).__name__}")
     work = _coalesce(remaining)
-    total = sum(iv.size for iv in work)
-    base, extra = divmod(total, num_consumers)
+    sizes = slice_sizes(sum(iv.size for iv in work), num_consumers, batch_size)
     slices: list[list[Interval]] = []
     index = 0  # interval of `work` being cut
     cursor = work[0].start if work else 0  # first sample of work[index] not yet handed out
     for consumer in range(num_consumers):
-        want = base + (1 if consumer < extra else 0)
+        want = sizes[consumer]
         piece: list[Interval] = []
         while want > 0:
             iv = work[index]
@@ -295,9 +354,19 @@ class DataTracker:
             data (one consumer per rank).
         allow_dataset_change: on :meth:`load_global_state`, accept a state written for a different
             dataset (with a warning) instead of raising :class:`DatasetMismatchError`.
+        batch_size: cut the work into whole batches of this many raw samples (see
+            :func:`slice_sizes`): every consumer's slice but at most one, in the whole run, is a
+            whole number of batches. Give the loader's batch size when the loader drops each
+            worker's last partial batch (``drop_last=True``), so that an epoch drops the same
+            ``total % batch_size`` samples however often it is resumed. Default 1: slices differ by
+            at most one sample. Every rank must pass the same value (the merge checks it). The saved
+            state does not depend on it.
 
     The tracker starts at epoch 0 with the whole epoch ahead. It is not thread-safe: call it from the
     training loop only.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or is out of range.
     """
 
     def __init__(
@@ -309,6 +378,7 @@ class DataTracker:
         world_size: int = 1,
         num_workers: int = 0,
         allow_dataset_change: bool = False,
+        batch_size: int = 1,
     ) -> None:
         shards = tuple(shards)
         if not shards:
@@ -322,6 +392,8 @@ class DataTracker:
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         _check_int(num_workers, "num_workers", minimum=0)
+        _check_int(batch_size, "batch_size", minimum=1)
+        self._batch_size = batch_size
         self._shards = shards
         self._fingerprint = dataset_fingerprint(shards)
         self._total_samples = sum(s.num_samples for s in shards)
@@ -336,6 +408,8 @@ class DataTracker:
         self._epoch = 0
         self._restored = False
         self._from_load = False  # the current work came from load_global_state
+        self._generation = 0  # bumped by _set_work: lets a loader iterator notice its work was replaced
+        self._load_count = 0
         self._set_work(0, self._whole_epoch(0))
 
     # ------------------------------------------------------------------ properties
@@ -377,6 +451,11 @@ class DataTracker:
         return self._workers_per_rank
 
     @property
+    def batch_size(self) -> int:
+        """Raw samples per batch the work is cut in (see the constructor); 1 by default."""
+        return self._batch_size
+
+    @property
     def num_consumers(self) -> int:
         """Consumers across all ranks: ``world_size * workers_per_rank``."""
         return self._world_size * self._workers_per_rank
@@ -392,6 +471,22 @@ class DataTracker:
         number of consumers. It changes at every :meth:`start_epoch` and :meth:`load_global_state`
         that changes the work."""
         return self._assignment
+
+    @property
+    def generation(self) -> int:
+        """Counts replacements of the work: the constructor sets it, and every :meth:`start_epoch`
+        that starts an epoch and every :meth:`load_global_state` adds one, even when the new work is
+        the same as the old (a reload of the same state resets progress all the same). A
+        :meth:`start_epoch` that keeps the restored work changes nothing and leaves it alone. A
+        data-loader iterator remembers it to notice that the work it reads was replaced."""
+        return self._generation
+
+    @property
+    def load_count(self) -> int:
+        """How many times :meth:`load_global_state` has succeeded on this tracker. Persistent
+        data-loader workers hold a copy made before a load and cannot follow it; the loader compares
+        this count to restart them."""
+        return self._load_count
 
     @property
     def work_from_checkpoint(self) -> bool:
@@ -419,13 +514,15 @@ class DataTracker:
         """Make ``remaining`` the work of ``epoch`` and cut it for this run's consumers."""
         self._epoch = epoch
         self._base = _coalesce(remaining)
-        self._slices = assign(self._base, self.num_consumers)
+        self._slices = assign(self._base, self.num_consumers, self._batch_size)
         self._slice_sizes = [sum(iv.size for iv in s) for s in self._slices]
         self._consumed = [0] * self._workers_per_rank
+        self._generation += 1
         # Identifies this assignment so global_state() can reject local states taken from another one
-        # (a rank that started a different epoch or loaded a different checkpoint).
+        # (a rank that started a different epoch, loaded a different checkpoint or cuts in other
+        # batch sizes).
         h = hashlib.sha256(_ASSIGNMENT_TAG)
-        h.update(f"{self._fingerprint}:{epoch}:{self.num_consumers}:".encode())
+        h.update(f"{self._fingerprint}:{epoch}:{self.num_consumers}:{self._batch_size}:".encode())
         for iv in self._base:
             h.update(f"{iv.shard},{iv.start},{iv.end};".encode())
         self._assignment = h.hexdigest()[:16]
@@ -581,37 +678,43 @@ class DataTracker:
         }
 
     def _gather(self, local_states: Sequence[dict[str, Any]]) -> list[int]:
-        """Validated consumed counts of all consumers, in consumer order."""
+        """Validated consumed counts of all consumers, in consumer order.
+
+        Raises:
+            TrackerStateError: a local state is malformed, missing, doubled, or describes another
+                epoch or assignment than this rank's.
+        """
         if len(local_states) != self._world_size:
-            raise ValueError(
+            raise TrackerStateError(
                 f"global_state() needs the local state of all {self._world_size} ranks, got {len(local_states)}"
             )
         per_rank: dict[int, list[int]] = {}
         for st in local_states:
             if not isinstance(st, dict) or not {"rank", "consumed", "epoch", "assignment"} <= st.keys():
-                raise ValueError(f"not a DataTracker.local_state(): {st!r}")
-            r = _check_int(st["rank"], "local state rank", minimum=0)
+                raise TrackerStateError(f"not a DataTracker.local_state(): {st!r}")
+            r = _state_int(st["rank"], "local state rank", minimum=0)
             if r >= self._world_size:
-                raise ValueError(f"local state of rank {r} but world_size is {self._world_size}")
+                raise TrackerStateError(f"local state of rank {r} but world_size is {self._world_size}")
             if r in per_rank:
-                raise ValueError(f"two local states for rank {r}")
+                raise TrackerStateError(f"two local states for rank {r}")
             if st["epoch"] != self._epoch or st["assignment"] != self._assignment:
-                raise ValueError(
+                raise TrackerStateError(
                     f"rank {r}'s local state is from epoch {st['epoch']} / assignment {st['assignment']}, "
                     f"this rank is at epoch {self._epoch} / assignment {self._assignment}: every rank must "
-                    "call start_epoch/load_global_state alike before the states are gathered"
+                    "call start_epoch/load_global_state alike (and build its tracker with the same "
+                    "num_workers and batch_size) before the states are gathered"
                 )
             consumed = st["consumed"]
             if not isinstance(consumed, list) or len(consumed) != self._workers_per_rank:
-                raise ValueError(
+                raise TrackerStateError(
                     f"rank {r}'s local state has {consumed!r} as consumed counts, expected "
                     f"{self._workers_per_rank} ints (one per worker)"
                 )
             for w, k in enumerate(consumed):
                 size = self._slice_sizes[r * self._workers_per_rank + w]
-                _check_int(k, f"rank {r} worker {w} consumed", minimum=0)
+                _state_int(k, f"rank {r} worker {w} consumed", minimum=0)
                 if k > size:
-                    raise ValueError(f"rank {r} worker {w} consumed {k} samples of a {size}-sample slice")
+                    raise TrackerStateError(f"rank {r} worker {w} consumed {k} samples of a {size}-sample slice")
             per_rank[r] = consumed
         return [k for r in range(self._world_size) for k in per_rank[r]]
 
@@ -634,6 +737,9 @@ class DataTracker:
           costs about ``len(name) + 10`` bytes per shard; turn it off for very many shards.
 
         All values are plain ints, strings and lists (JSON-serialisable).
+
+        Raises:
+            TrackerStateError: a gathered local state is malformed or from another assignment.
         """
         consumed = self._gather(local_states)
         remaining = _coalesce(
@@ -658,6 +764,10 @@ class DataTracker:
 
         Pass the gathered :meth:`local_state` of all ranks; with ``world_size == 1`` they may be
         omitted. (From one rank alone only :meth:`rank_exhausted` can be known.)
+
+        Raises:
+            ValueError: no local states given while ``world_size > 1``.
+            TrackerStateError: a gathered local state is malformed or from another assignment.
         """
         if local_states is None:
             if self._world_size != 1:
@@ -674,7 +784,10 @@ class DataTracker:
         topology) and cut the remaining work for this tracker's rank, world size and workers.
 
         The checkpoint's seed replaces the tracker's (a warning says so when they differ) so that later
-        epochs follow the saved run's order.
+        epochs follow the saved run's order. Every load replaces the work, even a reload of the state
+        the tracker already holds: :attr:`generation` goes up, so that a data-loader iterator created
+        before the load refuses to go on (it would read the old work) instead of drifting from what
+        the tracker records. Nothing changes when the state is refused.
 
         Raises:
             DatasetMismatchError: the state was written for a different dataset and
@@ -682,40 +795,67 @@ class DataTracker:
                 work is kept where it still fits: intervals of shards that are gone are dropped, those
                 of shrunk shards clipped (matched by shard name when the state has the shard list, else
                 by index). Shards or samples added since are read from the next epoch on.
-            ValueError: unknown format, or a malformed or inconsistent state.
+            TrackerStateError: (a ``ValueError``) the state is not a dict, has another ``format``, a
+                missing or unknown key, a field of the wrong type or out of range, remaining work that
+                overlaps, is out of stream order or exceeds its shard, or counts that do not add up to
+                the dataset. The message names the field.
         """
         if not isinstance(state, dict):
-            raise ValueError(f"data tracker state must be a dict, got {type(state).__name__}")
+            raise TrackerStateError(f"data tracker state must be a dict, got {type(state).__name__}")
         fmt = state.get("format")
-        if fmt != STATE_FORMAT:
-            raise ValueError(
+        if type(fmt) is not int or fmt != STATE_FORMAT:  # not True or 1.0, which compare equal to 1
+            raise TrackerStateError(
                 f"unsupported data tracker state format {fmt!r}: this version reads format {STATE_FORMAT}"
             )
-        missing = {"fingerprint", "seed", "epoch", "remaining", "samples_consumed_in_epoch", "num_shards"} - state.keys()
+        missing = _STATE_KEYS - state.keys()
         if missing:
-            raise ValueError(f"data tracker state lacks {sorted(missing)}")
-        epoch = _check_int(state["epoch"], "state epoch", minimum=0)
-        seed = _check_int(state["seed"], "state seed")
-        saved_num_shards = _check_int(state["num_shards"], "state num_shards", minimum=0)
+            raise TrackerStateError(f"data tracker state lacks {sorted(missing)}")
+        # A key this format does not define means the state was written (or edited) by something
+        # else; ignoring it could silently drop what it meant.
+        unknown = state.keys() - _STATE_KEYS - {"shards"}
+        if unknown:
+            raise TrackerStateError(
+                f"data tracker state has unknown keys {sorted(map(repr, unknown))}: format {STATE_FORMAT} "
+                f"has {sorted(_STATE_KEYS | {'shards'})}"
+            )
+        epoch = _state_int(state["epoch"], "epoch", minimum=0)
+        seed = _state_int(state["seed"], "seed")
+        saved_num_shards = _state_int(state["num_shards"], "num_shards", minimum=0)
+        consumed = _state_int(state["samples_consumed_in_epoch"], "samples_consumed_in_epoch", minimum=0)
+        fingerprint = state["fingerprint"]
+        if not isinstance(fingerprint, str):
+            raise TrackerStateError(
+                f"data tracker state: fingerprint must be a str, got {type(fingerprint).__name__} {fingerprint!r}"
+            )
         saved_shards = self._parse_shard_list(state.get("shards"), saved_num_shards)
         remaining = self._parse_remaining(state["remaining"], saved_num_shards, saved_shards)
 
-        if state["fingerprint"] == self._fingerprint:
+        if fingerprint == self._fingerprint:
+            # Same dataset: the state's own description of it must agree, or the state is corrupt.
+            if saved_num_shards != len(self._shards):
+                raise TrackerStateError(
+                    f"data tracker state is corrupt: num_shards is {saved_num_shards} but its fingerprint "
+                    f"is that of this dataset of {len(self._shards)} shards"
+                )
+            if saved_shards is not None and saved_shards != [(sh.name, sh.num_samples) for sh in self._shards]:
+                raise TrackerStateError(
+                    "data tracker state is corrupt: its shards list disagrees with its fingerprint, which "
+                    "is that of this dataset"
+                )
             for iv in remaining:
                 if iv.end > self._shards[iv.shard].num_samples:
-                    raise ValueError(
+                    raise TrackerStateError(
                         f"data tracker state is corrupt: remaining interval {iv} exceeds shard "
                         f"{self._shards[iv.shard].name!r} ({self._shards[iv.shard].num_samples} samples)"
                     )
-            consumed = _check_int(state["samples_consumed_in_epoch"], "state samples_consumed_in_epoch")
             left = sum(iv.size for iv in remaining)
             if consumed + left != self._total_samples:
-                raise ValueError(
-                    f"data tracker state is inconsistent: {consumed} consumed + {left} remaining samples "
-                    f"!= {self._total_samples} samples in the dataset"
+                raise TrackerStateError(
+                    f"data tracker state is inconsistent: samples_consumed_in_epoch {consumed} + {left} "
+                    f"remaining samples != {self._total_samples} samples in the dataset"
                 )
         else:
-            diff = self._describe_difference(state["fingerprint"], saved_num_shards, saved_shards)
+            diff = self._describe_difference(fingerprint, saved_num_shards, saved_shards)
             if not self._allow_dataset_change:
                 raise DatasetMismatchError(
                     f"the data state was saved for a different dataset: {diff}. Pass "
@@ -738,6 +878,7 @@ class DataTracker:
         self._set_work(epoch, remaining)
         self._restored = True
         self._from_load = True
+        self._load_count += 1
         logger.info(
             "data tracker: rank %d restored epoch %d, %d samples remaining, split over %d consumers "
             "(%d for this rank)",
@@ -751,16 +892,19 @@ class DataTracker:
         if raw is None:
             return None
         if not isinstance(raw, list) or len(raw) != num_shards:
-            raise ValueError(f"data tracker state: 'shards' must list {num_shards} [name, num_samples] pairs")
+            raise TrackerStateError(
+                f"data tracker state: 'shards' must list num_shards={num_shards} [name, num_samples] pairs, "
+                f"got {type(raw).__name__}{f' of {len(raw)}' if isinstance(raw, list) else ''}"
+            )
         out: list[tuple[str, int]] = []
-        for item in raw:
+        for i, item in enumerate(raw):
             if (
                 not isinstance(item, (list, tuple))
                 or len(item) != 2
                 or not isinstance(item[0], str)
             ):
-                raise ValueError(f"data tracker state: bad shard entry {item!r}")
-            out.append((item[0], _check_int(item[1], f"state shard {item[0]!r} num_samples", minimum=0)))
+                raise TrackerStateError(f"data tracker state: shards[{i}] is {item!r}, not [name, num_samples]")
+            out.append((item[0], _state_int(item[1], f"shards[{i}] ({item[0]!r}) num_samples", minimum=0)))
         return out
 
     @staticmethod
@@ -768,27 +912,51 @@ class DataTracker:
         raw: Any, num_shards: int, saved_shards: list[tuple[str, int]] | None
     ) -> list[Interval]:
         if not isinstance(raw, list):
-            raise ValueError("data tracker state: 'remaining' must be a list of [shard, start, end]")
+            raise TrackerStateError(
+                f"data tracker state: 'remaining' must be a list of [shard, start, end], got {type(raw).__name__}"
+            )
         out: list[Interval] = []
-        for item in raw:
+        done: set[int] = set()  # shards whose pieces are behind us in the list
+        for i, item in enumerate(raw):
             if not isinstance(item, (list, tuple)) or len(item) != 3:
-                raise ValueError(f"data tracker state: bad remaining interval {item!r}")
-            try:
-                iv = Interval(*item)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"data tracker state: bad remaining interval {item!r}: {exc}") from None
-            if iv.shard >= num_shards:
-                raise ValueError(f"data tracker state: interval {item!r} names shard {iv.shard} of {num_shards}")
-            if saved_shards is not None and iv.end > saved_shards[iv.shard][1]:
-                raise ValueError(
-                    f"data tracker state: interval {item!r} exceeds its shard ({saved_shards[iv.shard][1]} samples)"
+                raise TrackerStateError(f"data tracker state: bad remaining interval remaining[{i}] = {item!r}")
+            shard, start, end = (
+                _state_int(v, f"remaining[{i}] {name}", minimum=0)
+                for v, name in zip(item, ("shard", "start", "end"))
+            )
+            if end < start:
+                raise TrackerStateError(
+                    f"data tracker state: bad remaining interval remaining[{i}] = {item!r}: end < start"
                 )
+            if shard >= num_shards:
+                raise TrackerStateError(
+                    f"data tracker state: remaining[{i}] = {item!r} names shard {shard} of {num_shards}"
+                )
+            if saved_shards is not None and end > saved_shards[shard][1]:
+                raise TrackerStateError(
+                    f"data tracker state: remaining[{i}] = {item!r} exceeds its shard "
+                    f"{saved_shards[shard][0]!r} ({saved_shards[shard][1]} samples)"
+                )
+            iv = Interval(shard, start, end)
+            # Stream order reads a shard in one go, ascending: its pieces are neighbours in the list and
+            # ascending. Anything else is not a state global_state() wrote, and overlapping pieces
+            # would have a sample read twice.
+            if out and out[-1].shard == shard:
+                if start < out[-1].end:
+                    raise TrackerStateError(
+                        f"data tracker state: remaining intervals {out[-1]} and {iv} (remaining[{i}]) overlap "
+                        "or are out of order"
+                    )
+            else:
+                if shard in done:
+                    raise TrackerStateError(
+                        f"data tracker state: remaining[{i}] = {item!r} returns to shard {shard} after other "
+                        "shards: remaining work must be in stream order (each shard's pieces together, "
+                        "ascending)"
+                    )
+                if out:
+                    done.add(out[-1].shard)
             out.append(iv)
-        # Overlapping intervals would make a sample be read twice.
-        ordered = sorted(out, key=lambda iv: (iv.shard, iv.start))
-        for a, b in zip(ordered, ordered[1:]):
-            if a.shard == b.shard and b.start < a.end:
-                raise ValueError(f"data tracker state: remaining intervals {a} and {b} overlap")
         return out
 
     def _describe_difference(
@@ -858,8 +1026,10 @@ __all__ = [
     "DatasetMismatchError",
     "Interval",
     "ShardSpec",
+    "TrackerStateError",
     "assign",
     "dataset_fingerprint",
     "epoch_shard_order",
     "iter_positions",
+    "slice_sizes",
 ]

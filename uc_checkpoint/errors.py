@@ -52,10 +52,19 @@ class DatasetMismatchError(UCCheckpointError, ValueError):
     order) than the one the tracker was built with. The message names the first shard that differs."""
 
 
+class TrackerStateError(UCCheckpointError, ValueError):
+    """A data-tracker state (the global state being loaded, or a rank's local state being gathered)
+    is malformed or inconsistent: a missing or unknown key, a value of the wrong type, a negative
+    count, remaining work that overlaps, is out of stream order or names a shard that does not
+    exist. The message names the field. A ``ValueError`` too, as the tracker documented before."""
+
+
 class DataLoadingError(UCCheckpointError):
-    """A shard reader broke the tracker's contract (e.g. yielded fewer samples than asked for), or a
-    data loader was set up against its tracker (worker counts differ). The message names the shard or
-    argument."""
+    """A shard reader broke the tracker's contract (e.g. yielded fewer samples than asked for), a
+    data loader was set up against its tracker (worker counts differ, ``drop_last`` without a
+    batch-aligned tracker), or a loader iterator was used after the tracker's work was replaced
+    (``start_epoch``, ``load_global_state``) or a newer iterator was started. The message names the
+    shard or argument, or says which iterator to create instead."""
 
 
 class UnsafeMetadataError(CorruptCheckpointError):
