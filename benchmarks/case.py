@@ -32,9 +32,10 @@ import gc
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,8 +115,11 @@ def _s3tc_client() -> Any:
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
 
-    return S3Client(region="us-east-1", endpoint=os.environ["AWS_ENDPOINT_URL"],
-                    s3client_config=S3ClientConfig(force_path_style=True))
+    return S3Client(
+        region="us-east-1",
+        endpoint=os.environ["AWS_ENDPOINT_URL"],
+        s3client_config=S3ClientConfig(force_path_style=True),
+    )
 
 
 def _reader(case: str, dest: str) -> Any:
@@ -212,8 +216,11 @@ def run_boto3(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
 
     bucket, _, prefix = args.dest[5:].partition("/")
     client = boto3.client("s3")
-    config = TransferConfig(multipart_threshold=DEFAULT_MULTIPART_THRESHOLD, multipart_chunksize=DEFAULT_PART_SIZE,
-                            max_concurrency=DEFAULT_MAX_CONCURRENCY)
+    config = TransferConfig(
+        multipart_threshold=DEFAULT_MULTIPART_THRESHOLD,
+        multipart_chunksize=DEFAULT_PART_SIZE,
+        max_concurrency=DEFAULT_MAX_CONCURRENCY,
+    )
     with tempfile.TemporaryDirectory(dir=os.environ.get("UC_CHECKPOINT_STAGING_DIR")) as tmp:
         src = Path(tmp) / "src"
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(src)))
@@ -232,7 +239,12 @@ def run_boto3(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
         _drop_page_cache()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda p: client.download_file(bucket, f"{prefix}/{p.name}", str(dst / p.name), Config=config), files))
+            list(
+                pool.map(
+                    lambda p: client.download_file(bucket, f"{prefix}/{p.name}", str(dst / p.name), Config=config),
+                    files,
+                )
+            )
         down = time.perf_counter() - t0
         for p in files:
             assert (dst / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs after download"
@@ -261,9 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     sd = state.build(args.kind, args.size_mb << 20, mesh)
     result: dict[str, Any] = {
-        "case": args.case, "kind": args.kind, "size_mb": args.size_mb,
+        "case": args.case,
+        "kind": args.kind,
+        "size_mb": args.size_mb,
         "ranks": dist.get_world_size() if dist.is_initialized() else 1,
-        "rank_bytes": state.nbytes(sd), "memcopy_s": _timed_copy(sd),
+        "rank_bytes": state.nbytes(sd),
+        "memcopy_s": _timed_copy(sd),
     }
     if args.case == "boto3":
         result.update(run_boto3(args, sd, rank))

@@ -28,8 +28,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 from tests.s3_fixtures import REGION, moto_server, s3_client  # noqa: F401 - moto_server is part of this API
 
@@ -103,23 +103,28 @@ def _apt_install() -> None:
     if first.returncode == 0:
         return
     # A fresh container often has no package lists yet; update only then, as it is slow.
-    log.info("apt-get install failed (rc %d); running apt-get update and retrying",
-             first.returncode)
+    log.info("apt-get install failed (rc %d); running apt-get update and retrying", first.returncode)
     update = _run_quiet(["apt-get", "update"], env)
     if update.returncode != 0:
         raise RuntimeError(f"apt-get update failed (rc {update.returncode}): {update.stdout[-2000:]}")
     second = _run_quiet(install, env)
     if second.returncode != 0:
         raise RuntimeError(
-            f"apt-get install {' '.join(_APT_PACKAGES)} failed (rc {second.returncode}): "
-            f"{second.stdout[-2000:]}"
+            f"apt-get install {' '.join(_APT_PACKAGES)} failed (rc {second.returncode}): {second.stdout[-2000:]}"
         )
 
 
 def _run_quiet(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=_APT_TIMEOUT_S)
+        return subprocess.run(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=_APT_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"{' '.join(cmd)} could not run: {exc}") from exc
 
@@ -222,9 +227,7 @@ def bindfs_mount(source: Path, mountpoint: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _fuse_daemon(
-    name: str, cmd: list[str], mountpoint: Path, private: Path, logfile: Optional[Path]
-) -> Iterator[Path]:
+def _fuse_daemon(name: str, cmd: list[str], mountpoint: Path, private: Path, logfile: Path | None) -> Iterator[Path]:
     """Run a foreground FUSE daemon for ``mountpoint``; unmount and reap it on exit."""
     mountpoint = Path(mountpoint)
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -239,9 +242,14 @@ def _fuse_daemon(
         # Own session: a Ctrl-C meant for the benchmark must not kill the daemon before the
         # unmount below has run, which would leave a dead mount ("Transport endpoint is not
         # connected") behind.
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=output,
-                                stderr=subprocess.STDOUT, env=_daemon_env(private),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=_daemon_env(private),
+            start_new_session=True,
+        )
         try:
             _wait_mounted(name, proc, target, output_path, logfile)
             log.info("%s mounted at %s in %.2f s", name, mountpoint, time.monotonic() - started)
@@ -258,9 +266,7 @@ def _daemon_env(home: Path) -> dict[str, str]:
     return env
 
 
-def _wait_mounted(
-    name: str, proc: subprocess.Popen[bytes], target: str, output: Path, logfile: Optional[Path]
-) -> None:
+def _wait_mounted(name: str, proc: subprocess.Popen[bytes], target: str, output: Path, logfile: Path | None) -> None:
     deadline = time.monotonic() + MOUNT_TIMEOUT_S
     while True:
         if _in_mount_table(target) and _listdir_answers(target, deadline - time.monotonic()):
@@ -268,13 +274,11 @@ def _wait_mounted(
         rc = proc.poll()
         if rc is not None:
             raise RuntimeError(
-                f"{name} exited with status {rc} before {target} was mounted\n"
-                + _diagnostics(output, logfile)
+                f"{name} exited with status {rc} before {target} was mounted\n" + _diagnostics(output, logfile)
             )
         if time.monotonic() >= deadline:
             raise RuntimeError(
-                f"{name} mount at {target} not ready after {MOUNT_TIMEOUT_S:.0f} s\n"
-                + _diagnostics(output, logfile)
+                f"{name} mount at {target} not ready after {MOUNT_TIMEOUT_S:.0f} s\n" + _diagnostics(output, logfile)
             )
         time.sleep(0.05)
 
@@ -301,7 +305,7 @@ def _listdir_answers(path: str, timeout_s: float) -> bool:
 
 
 def _unmount_and_reap(
-    name: str, proc: subprocess.Popen[bytes], target: str, output: Path, logfile: Optional[Path]
+    name: str, proc: subprocess.Popen[bytes], target: str, output: Path, logfile: Path | None
 ) -> None:
     started = time.monotonic()
     errors = []
@@ -310,8 +314,9 @@ def _unmount_and_reap(
     if was_mounted:
         for cmd in (["fusermount3", "-u", target], ["umount", "-l", target]):
             try:
-                done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True,
-                                      text=True, timeout=MOUNT_TIMEOUT_S)
+                done = subprocess.run(
+                    cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=MOUNT_TIMEOUT_S
+                )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 errors.append(f"{cmd[0]}: {exc}")
                 continue
@@ -333,9 +338,13 @@ def _unmount_and_reap(
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        log.warning("%s (pid %d) still running %.0f s after unmount; sending SIGTERM%s", name,
-                    proc.pid, grace,
-                    " (writes through files still open on the mount are lost)" if lazy else "")
+        log.warning(
+            "%s (pid %d) still running %.0f s after unmount; sending SIGTERM%s",
+            name,
+            proc.pid,
+            grace,
+            " (writes through files still open on the mount are lost)" if lazy else "",
+        )
         _signal(proc, signal.SIGTERM)
         try:
             proc.wait(timeout=5)
@@ -344,18 +353,28 @@ def _unmount_and_reap(
             proc.wait()
     if still_mounted:
         # The daemon is gone now, so a lazy unmount cannot hang on it.
-        subprocess.run(["umount", "-l", target], stdin=subprocess.DEVNULL, capture_output=True,
-                       timeout=MOUNT_TIMEOUT_S, check=False)
+        subprocess.run(
+            ["umount", "-l", target],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=MOUNT_TIMEOUT_S,
+            check=False,
+        )
         if _in_mount_table(target):
             raise RuntimeError(
-                f"could not unmount {name} at {target}: {'; '.join(errors)}\n"
-                + _diagnostics(output, logfile)
+                f"could not unmount {name} at {target}: {'; '.join(errors)}\n" + _diagnostics(output, logfile)
             )
     if errors:
         log.warning("unmounting %s at %s: %s", name, target, "; ".join(errors))
     if was_mounted:
-        log.info("%s at %s unmounted in %.2f s, daemon exited (rc %s) after %.2f s", name,
-                 target, unmounted_s, proc.returncode, time.monotonic() - started)
+        log.info(
+            "%s at %s unmounted in %.2f s, daemon exited (rc %s) after %.2f s",
+            name,
+            target,
+            unmounted_s,
+            proc.returncode,
+            time.monotonic() - started,
+        )
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -386,7 +405,7 @@ def _unescape_mount_path(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _diagnostics(output: Path, logfile: Optional[Path]) -> str:
+def _diagnostics(output: Path, logfile: Path | None) -> str:
     parts = [f"--- {output.name} (tail) ---\n{_tail(output)}"]
     if logfile is not None:
         parts.append(f"--- {logfile.name} (tail) ---\n{_tail(logfile)}")

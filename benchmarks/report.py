@@ -43,9 +43,11 @@ def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Comb
         by_run[((r["kind"], r.get("size_mb", default_mb), r["ranks"]), r["name"], r["repeat"])].append(r)
     rows: dict[tuple[Combo, str], list[dict[str, float]]] = defaultdict(list)
     for (combo, name, _rep), rs in by_run.items():
-        row: dict[str, float] = {"bytes": sum(r["rank_bytes"] for r in rs),
-                                 "rank_bytes": max(r["rank_bytes"] for r in rs),
-                                 "memcopy_s": max(r["memcopy_s"] for r in rs)}
+        row: dict[str, float] = {
+            "bytes": sum(r["rank_bytes"] for r in rs),
+            "rank_bytes": max(r["rank_bytes"] for r in rs),
+            "memcopy_s": max(r["memcopy_s"] for r in rs),
+        }
         for key in ("blocked_s", "load_s", "upload_s", "download_s", "sync_save_s", "async_done_s"):
             vals = [r[key] for r in rs if key in r]
             if vals:
@@ -71,8 +73,11 @@ def medians(results: list[dict[str, Any]], default_mb: int = 256) -> dict[tuple[
     return out
 
 
-def target_ratios(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list[tuple[str, str, str, bool | None]]:
+def target_ratios(
+    m: dict[tuple[Combo, str], dict[str, float]], combo: Combo
+) -> list[tuple[str, str, str, bool | None]]:
     """(target, wanted, measured, met) for one combo; measured is '-' when a case is missing."""
+
     def get(name: str) -> dict[str, float] | None:
         return m.get((combo, name))
 
@@ -120,13 +125,17 @@ def _plot(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo, path: Path
     names = [n for (c, n) in m if c == combo and n != "boto3"]
     if not names:
         return False
-    measures = (("blocked_s", "blocked in async_save"), ("publish_s", "until .metadata on the volume"),
-                ("load_s", "dcp.load"))
+    measures = (
+        ("blocked_s", "blocked in async_save"),
+        ("publish_s", "until .metadata on the volume"),
+        ("load_s", "dcp.load"),
+    )
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(measures)
     for i, (key, label) in enumerate(measures):
-        ax.bar([x + i * width for x in range(len(names))], [m[(combo, n)].get(key, 0.0) for n in names],
-               width, label=label)
+        ax.bar(
+            [x + i * width for x in range(len(names))], [m[(combo, n)].get(key, 0.0) for n in names], width, label=label
+        )
     ax.set_xticks([x + width for x in range(len(names))], names, rotation=20)
     ax.set_ylabel("seconds (median)")
     size = m[(combo, names[0])]["bytes"] / MIB
@@ -166,15 +175,20 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
     for combo in combos:
         kind, size_mb, ranks = combo
         lines += [f"## {kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}", ""]
-        lines += ["| case | blocked s | to .metadata s | load s | sync-save peak extra MiB | async peak extra MiB | "
-                  "MB/s to .metadata | MB/s load |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| case | blocked s | to .metadata s | load s | sync-save peak extra MiB | async peak extra MiB | "
+            "MB/s to .metadata | MB/s load |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for (c, name), row in sorted(m.items(), key=lambda kv: kv[0][1]):
             if c != combo:
                 continue
             size = row["bytes"]
             if name == "boto3":
-                lines.append(f"| boto3 (raw upload / download) | - | {_fmt(row['upload_s'])} | {_fmt(row['download_s'])} "
-                             f"| - | - | {size / 1e6 / row['upload_s']:.0f} | {size / 1e6 / row['download_s']:.0f} |")
+                lines.append(
+                    f"| boto3 (raw upload / download) | - | {_fmt(row['upload_s'])} | {_fmt(row['download_s'])} "
+                    f"| - | - | {size / 1e6 / row['upload_s']:.0f} | {size / 1e6 / row['download_s']:.0f} |"
+                )
                 continue
             lines.append(
                 f"| {name} | {_fmt(row.get('blocked_s'), digits=3)} | {_fmt(row.get('publish_s'))} | {_fmt(row.get('load_s'))} "
@@ -182,8 +196,12 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
                 f"| {size / 1e6 / row['publish_s']:.0f} | {size / 1e6 / row['load_s']:.0f} |"
             )
         memcopy = statistics.median(row["memcopy_s"] for (c, _), row in m.items() if c == combo)
-        lines += ["", f"In-memory copy of the state dict (per rank): {memcopy:.3f} s. Checkpoint size: "
-                  f"{next(row['bytes'] for (c, _), row in m.items() if c == combo) / MIB:.0f} MiB.", ""]
+        lines += [
+            "",
+            f"In-memory copy of the state dict (per rank): {memcopy:.3f} s. Checkpoint size: "
+            f"{next(row['bytes'] for (c, _), row in m.items() if c == combo) / MIB:.0f} MiB.",
+            "",
+        ]
         lines += ["| target | wanted | measured | met |", "|---|---|---|---|"]
         for label, want, got, ok in target_ratios(m, combo):
             lines.append(f"| {label} | {want} | {got} | {'-' if ok is None else ('yes' if ok else 'NO')} |")
@@ -195,10 +213,13 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
     # The notes read one particular run's figures: attach them only to that run's report.
     tag = re.match(r"<!-- run: (.*?) -->", notes)
     if notes and tag and tag.group(1) == mach["date"]:
-        lines += [notes[tag.end():].strip(), ""]
+        lines += [notes[tag.end() :].strip(), ""]
     elif notes:
-        lines += [f"(The hand-written reading in `benchmarks/report_notes.md` describes the run of "
-                  f"{tag.group(1) if tag else 'another date'}, not this one.)", ""]
+        lines += [
+            f"(The hand-written reading in `benchmarks/report_notes.md` describes the run of "
+            f"{tag.group(1) if tag else 'another date'}, not this one.)",
+            "",
+        ]
     path.write_text("\n".join(lines))
 
 

@@ -82,18 +82,33 @@ def parse_kind(spec: str, default_mb: int) -> tuple[str, int]:
     """``"gpt"`` or ``"gpt:1024"`` -> (kind, size in MiB); raises argparse.ArgumentTypeError."""
     kind, sep, size = spec.partition(":")
     if kind not in KINDS or (sep and (not size.isdigit() or int(size) == 0)):
-        raise argparse.ArgumentTypeError(f"--kinds: {spec!r} is not KIND or KIND:MIB with KIND one of {', '.join(KINDS)}")
+        raise argparse.ArgumentTypeError(
+            f"--kinds: {spec!r} is not KIND or KIND:MIB with KIND one of {', '.join(KINDS)}"
+        )
     return kind, int(size) if size else default_mb
 
 
-def run_case(name: str, ranks: int, kind: str, size_mb: int, dirs: dict[str, Path], env: dict[str, str],
-             timeout: float) -> list[dict[str, Any]]:
+def run_case(
+    name: str, ranks: int, kind: str, size_mb: int, dirs: dict[str, Path], env: dict[str, str], timeout: float
+) -> list[dict[str, Any]]:
     """Run one case in a fresh process or torchrun job; returns one result dict per rank."""
     run_id = uuid.uuid4().hex[:10]
     case, dest, visible = case_plan(name, run_id, dirs)
     out = dirs["work"] / f"result-{run_id}.json"
-    args = ["--case", case, "--dest", dest, "--kind", kind, "--size-mb", str(size_mb), "--out", str(out),
-            "--timeout", str(timeout)]
+    args = [
+        "--case",
+        case,
+        "--dest",
+        dest,
+        "--kind",
+        kind,
+        "--size-mb",
+        str(size_mb),
+        "--out",
+        str(out),
+        "--timeout",
+        str(timeout),
+    ]
     if visible:
         args += ["--visible", visible]
     if ranks == 1:
@@ -143,18 +158,30 @@ def machine() -> dict[str, Any]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     s3fs = subprocess.run(["s3fs", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
-        "memory_gib": round(mem / 2**30, 1), "kernel": platform.release(), "python": platform.python_version(),
-        "torch": torch.__version__, "boto3": boto3.__version__, "moto": moto.__version__, "s3fs_fuse": s3fs,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "boto3": boto3.__version__,
+        "moto": moto.__version__,
+        "s3fs_fuse": s3fs,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mb", type=int, default=256, help="checkpoint size in MiB (default 256)")
-    p.add_argument("--kinds", nargs="+", default=["gpt"], metavar="KIND[:MIB]",
-                   help="state-dict shapes: gpt (model + AdamW), small (many 16 KiB tensors); "
-                        "KIND:MIB gives that shape its own size (default: --size-mb), e.g. gpt:256 gpt:1024")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["gpt"],
+        metavar="KIND[:MIB]",
+        help="state-dict shapes: gpt (model + AdamW), small (many 16 KiB tensors); "
+        "KIND:MIB gives that shape its own size (default: --size-mb), e.g. gpt:256 gpt:1024",
+    )
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes (default 1 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -174,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     from .mounts import bindfs_mount, ensure_fuse_tools, make_bucket, moto_server, s3fs_mount
     from .report import write_report
 
-    cases = [c for c in args.cases if not (c == "fsspec-s3" and not _importable("s3fs"))
-             and not (c == "s3tc" and not _importable("s3torchconnector"))]
+    cases = [
+        c
+        for c in args.cases
+        if not (c == "fsspec-s3" and not _importable("s3fs"))
+        and not (c == "s3tc" and not _importable("s3torchconnector"))
+    ]
     skipped = sorted(set(args.cases) - set(cases))
     if skipped:
         log.info("skipping %s: the package does not import in this environment", ", ".join(skipped))
@@ -193,14 +224,27 @@ def main(argv: list[str] | None = None) -> int:
             d.mkdir(parents=True, exist_ok=True)
         dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
         dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
-        env = {**os.environ, "AWS_ENDPOINT_URL": url, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-               "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]), "PYTHONWARNINGS": "ignore"}
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL": url,
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]),
+            "PYTHONWARNINGS": "ignore",
+        }
         for repeat in range(args.repeats):
             for kind, size_mb in sets:
                 for ranks in args.ranks:
                     for name in cases:
-                        log.info("repeat %d/%d: %s, %s %d MiB, %d rank(s)", repeat + 1, args.repeats, name, kind,
-                                 size_mb, ranks)
+                        log.info(
+                            "repeat %d/%d: %s, %s %d MiB, %d rank(s)",
+                            repeat + 1,
+                            args.repeats,
+                            name,
+                            kind,
+                            size_mb,
+                            ranks,
+                        )
                         for r in run_case(name, ranks, kind, size_mb, dirs, env, args.timeout):
                             r["repeat"] = repeat
                             r["size_mb"] = size_mb

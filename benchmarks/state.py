@@ -36,10 +36,14 @@ def _shapes_gpt(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(n_layer):
         p = f"blocks.{i}."
         shapes += [
-            (p + "ln1.weight", (d,)), (p + "ln1.bias", (d,)),
-            (p + "attn.qkv.weight", (3 * d, d)), (p + "attn.proj.weight", (d, d)),
-            (p + "ln2.weight", (d,)), (p + "ln2.bias", (d,)),
-            (p + "mlp.fc.weight", (4 * d, d)), (p + "mlp.proj.weight", (d, 4 * d)),
+            (p + "ln1.weight", (d,)),
+            (p + "ln1.bias", (d,)),
+            (p + "attn.qkv.weight", (3 * d, d)),
+            (p + "attn.proj.weight", (d, d)),
+            (p + "ln2.weight", (d,)),
+            (p + "ln2.bias", (d,)),
+            (p + "mlp.fc.weight", (4 * d, d)),
+            (p + "mlp.proj.weight", (d, 4 * d)),
         ]
     shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
     return shapes

@@ -57,8 +57,14 @@ def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, 
         if no_fuse is None:
             dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
             dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
-        env = {**os.environ, "AWS_ENDPOINT_URL": url, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-               "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]), "PYTHONWARNINGS": "ignore"}
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL": url,
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]),
+            "PYTHONWARNINGS": "ignore",
+        }
         yield dirs, env, no_fuse
 
 
@@ -71,8 +77,9 @@ def test_case_saves_loads_and_verifies(benchmark, bench_env, name: str) -> None:
     if name == "s3tc":
         pytest.importorskip("s3torchconnector.dcp", reason="s3torchconnector[dcp] is not installed (bench extra)")
     runs: list[list[dict]] = []
-    benchmark.pedantic(lambda: runs.append(run_case(name, 1, "gpt", MB, dirs, env, 600)), rounds=1 if QUICK else 3,
-                       iterations=1)
+    benchmark.pedantic(
+        lambda: runs.append(run_case(name, 1, "gpt", MB, dirs, env, 600)), rounds=1 if QUICK else 3, iterations=1
+    )
     for results in runs:
         (result,) = results
         assert result["verified"] is True

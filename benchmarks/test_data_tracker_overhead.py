@@ -29,8 +29,7 @@ BATCH = 32
 
 
 def read_shard(shard: ShardSpec, start: int, end: int):
-    for offset in range(start, end):
-        yield offset
+    yield from range(start, end)
 
 
 class PlainShards(IterableDataset):
@@ -71,8 +70,12 @@ def test_loader_epoch(benchmark, workers: int, tracked: bool) -> None:
     persistent = workers > 0
     if tracked:
         tracker = DataTracker(SHARDS, num_workers=workers)
-        loader = TrackedDataLoader(TrackedShardDataset(tracker, read_shard), batch_size=BATCH, num_workers=workers,
-                                   persistent_workers=persistent)
+        loader = TrackedDataLoader(
+            TrackedShardDataset(tracker, read_shard),
+            batch_size=BATCH,
+            num_workers=workers,
+            persistent_workers=persistent,
+        )
     else:
         tracker = None
         loader = DataLoader(PlainShards(), batch_size=BATCH, num_workers=workers, persistent_workers=persistent)

@@ -14,16 +14,32 @@ MIB = 1 << 20
 
 
 def _result(name: str, repeat: int, size_mb: int, **measures: float) -> dict:
-    return {"kind": "gpt", "ranks": 1, "rank": 0, "name": name, "repeat": repeat, "size_mb": size_mb,
-            "rank_bytes": size_mb * MIB, "memcopy_s": 0.1, **measures}
+    return {
+        "kind": "gpt",
+        "ranks": 1,
+        "rank": 0,
+        "name": name,
+        "repeat": repeat,
+        "size_mb": size_mb,
+        "rank_bytes": size_mb * MIB,
+        "memcopy_s": 0.1,
+        **measures,
+    }
 
 
 def _run(size_mb: int, scale: float) -> list[dict]:
     out = []
     for rep, jitter in enumerate((1.0, 1.5, 0.9)):  # medians must ignore the outlying repeat
         out += [
-            _result("uc-s3", rep, size_mb, blocked_s=0.12 * jitter, publish_s=1.0 * scale * jitter,
-                    load_s=0.5 * scale, sync_peak_extra_bytes=0.1 * size_mb * MIB),
+            _result(
+                "uc-s3",
+                rep,
+                size_mb,
+                blocked_s=0.12 * jitter,
+                publish_s=1.0 * scale * jitter,
+                load_s=0.5 * scale,
+                sync_peak_extra_bytes=0.1 * size_mb * MIB,
+            ),
             _result("fs-s3fs", rep, size_mb, blocked_s=0.1, publish_s=3.5 * scale, load_s=1.0 * scale),
             _result("boto3", rep, size_mb, upload_s=0.8 * scale, download_s=0.6 * scale),
         ]
@@ -45,10 +61,22 @@ def test_ratios_are_medians_per_size(tmp_path: Path) -> None:
     assert rows["vs s3torchconnector (save, load)"] == ("-", None)
 
     report = tmp_path / "bench.md"
-    raw = {"machine": {"date": "D", "cpu": "c", "cores": 2, "memory_gib": 1, "kernel": "k", "python": "p",
-                       "torch": "t", "boto3": "b", "moto": "m", "s3fs_fuse": "s"},
-           "args": {"size_mb": 256, "kinds": ["gpt:256", "gpt:1024"], "ranks": [1], "repeats": 3},
-           "results": results}
+    raw = {
+        "machine": {
+            "date": "D",
+            "cpu": "c",
+            "cores": 2,
+            "memory_gib": 1,
+            "kernel": "k",
+            "python": "p",
+            "torch": "t",
+            "boto3": "b",
+            "moto": "m",
+            "s3fs_fuse": "s",
+        },
+        "args": {"size_mb": 256, "kinds": ["gpt:256", "gpt:1024"], "ranks": [1], "repeats": 3},
+        "results": results,
+    }
     write_report(raw, report)
     text = report.read_text()
     assert "## gpt, 256 MiB, 1 rank" in text and "## gpt, 1024 MiB, 1 rank" in text

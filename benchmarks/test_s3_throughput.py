@@ -56,7 +56,10 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 def volume(endpoint: str, bucket: str, prefix: str) -> S3Volume:
     return S3Volume(
-        f"s3://{bucket}/{prefix}", endpoint_url=endpoint, part_size=PART, multipart_threshold=PART,
+        f"s3://{bucket}/{prefix}",
+        endpoint_url=endpoint,
+        part_size=PART,
+        multipart_threshold=PART,
         max_concurrency=CONCURRENCY,
     )
 
@@ -123,8 +126,16 @@ def test_boto3_download_file(benchmark, s3_server: str, uploaded: tuple[str, str
     bucket, prefix = uploaded
     client = s3_client(s3_server, max_pool_connections=2 * CONCURRENCY)
     config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=CONCURRENCY)
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"] if o["Key"].endswith(".distcp")]
-    sizes = sum(o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"] if o["Key"].endswith(".distcp"))
+    keys = [
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
+        if o["Key"].endswith(".distcp")
+    ]
+    sizes = sum(
+        o["Size"]
+        for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
+        if o["Key"].endswith(".distcp")
+    )
 
     def run() -> None:
         for key in keys:

@@ -1,7 +1,7 @@
 """Write docs/api.md, the API reference, from the public objects' signatures and docstrings.
 
-    .venv/bin/python scripts/api_docs.py          # rewrite docs/api.md
-    .venv/bin/python scripts/api_docs.py --check  # exit 1 if docs/api.md is out of date (the tests do this)
+.venv/bin/python scripts/api_docs.py          # rewrite docs/api.md
+.venv/bin/python scripts/api_docs.py --check  # exit 1 if docs/api.md is out of date (the tests do this)
 """
 
 from __future__ import annotations
@@ -56,14 +56,16 @@ def _methods(cls: type) -> list[tuple[str, object]]:
 
 
 def render() -> str:
-    lines = ["# API reference", "",
-             "Generated from the docstrings by `scripts/api_docs.py`; do not edit by hand.", ""]
+    lines = ["# API reference", "", "Generated from the docstrings by `scripts/api_docs.py`; do not edit by hand.", ""]
     for module_name, names in SECTIONS:
         module = importlib.import_module(module_name)
         lines += [f"## `{module_name}`", "", _doc(module).split("\n\n")[0], ""]
         if names is None:
-            names = [n for n, o in vars(module).items()
-                     if inspect.isclass(o) and issubclass(o, BaseException) and o.__module__ == module_name]
+            names = [
+                n
+                for n, o in vars(module).items()
+                if inspect.isclass(o) and issubclass(o, BaseException) and o.__module__ == module_name
+            ]
         for name in names:
             obj = getattr(module, name)
             kind = "class" if inspect.isclass(obj) else "def"
@@ -74,7 +76,11 @@ def render() -> str:
                         lines += [f"- property `{mname}`: {_doc(member).splitlines()[0]}"]
                     else:
                         func = getattr(member, "__func__", member)
-                        lines += [f"- `{mname}{_signature(func)}`: {_doc(func).split(chr(10) + chr(10))[0]}".replace("\n", " ")]
+                        lines += [
+                            f"- `{mname}{_signature(func)}`: {_doc(func).split(chr(10) + chr(10))[0]}".replace(
+                                "\n", " "
+                            )
+                        ]
                 lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

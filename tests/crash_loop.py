@@ -106,8 +106,9 @@ def install_probe(phase: Phase, rng: random.Random) -> None:
     manager_mod.CheckpointManager._prune = probed_prune
 
 
-def save_loop(root: str, staging: str, start_step: int, phase_file: str, confirmed_file: str | None,
-              seed: int, conn=None) -> None:
+def save_loop(
+    root: str, staging: str, start_step: int, phase_file: str, confirmed_file: str | None, seed: int, conn=None
+) -> None:
     """Save steps ``start_step, start_step + 1, ...`` until killed. Each confirmed (published) step is
     reported through ``conn`` or appended to ``confirmed_file`` (rank 0)."""
     import torch.distributed as dist
@@ -121,7 +122,9 @@ def save_loop(root: str, staging: str, start_step: int, phase_file: str, confirm
     phase = Phase(Path(f"{phase_file}.{rank}"))
     install_probe(phase, random.Random(seed + rank))
     mgr = CheckpointManager(
-        root, keep_last=2, staging_dir=staging,
+        root,
+        keep_last=2,
+        staging_dir=staging,
         # Small files: many per save, so kills land between files too. No fsync: a killed process
         # loses nothing the page cache holds (fsync is for power loss, which is not tested here).
         writer_options={"file_size_bytes": 60_000, "sync_files": False},

@@ -27,10 +27,11 @@ import select
 import socket
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
@@ -61,17 +62,19 @@ _MAX_LINE = 64 * 1024
 # werkzeug answers every request with "Connection: close", which would otherwise end
 # the client's keep-alive connection after each request; we frame the body ourselves.
 _HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade"}
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
 )
 
 # Fault kind -> (status, reason phrase, S3 error code, message), as S3 words them.
 _ERROR_STATUS = {
     THROTTLE: (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
-    ERROR: (500, "Internal Server Error", "InternalError",
-            "We encountered an internal error. Please try again."),
-    REJECTED_CONDITION: (501, "Not Implemented", "NotImplemented",
-                         "A header you provided implies functionality that is not implemented"),
+    ERROR: (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+    REJECTED_CONDITION: (
+        501,
+        "Not Implemented",
+        "NotImplemented",
+        "A header you provided implies functionality that is not implemented",
+    ),
 }
 
 
@@ -88,12 +91,12 @@ class ProxyRecord:
 
     method: str
     path: str
-    fault: Optional[str]
+    fault: str | None
     framing: str
     headers: list[tuple[str, str]]
-    status: Optional[int] = None
+    status: int | None = None
 
-    def header(self, name: str) -> Optional[str]:
+    def header(self, name: str) -> str | None:
         """The first value of request header ``name`` (case-insensitive), or ``None``."""
         wanted = name.lower()
         return next((v for k, v in self.headers if k.lower() == wanted), None)
@@ -106,7 +109,7 @@ class _ProxyServer(ThreadingHTTPServer):
     # Connection bursts from boto3's pool (10 connections) plus transfer threads.
     request_queue_size = 64
 
-    def __init__(self, proxy: "FaultProxy") -> None:
+    def __init__(self, proxy: FaultProxy) -> None:
         self.proxy = proxy
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
 
@@ -125,9 +128,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self._upstream_conn: Optional[http.client.HTTPConnection] = None
+        self._upstream_conn: http.client.HTTPConnection | None = None
         # The record of the request being relayed; None between requests.
-        self._current: Optional[ProxyRecord] = None
+        self._current: ProxyRecord | None = None
         # Whether this connection has carried a request (stop() opens empty ones).
         self._served = False
         self.server.proxy._track(self.connection, add=True)
@@ -139,7 +142,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._close_upstream()
             self.server.proxy._track(self.connection, add=False)
 
-    def send_response_only(self, code: int, message: Optional[str] = None) -> None:
+    def send_response_only(self, code: int, message: str | None = None) -> None:
         # Noted before the headers go out: once the client has the response it may move
         # on, and a test reading the history must already see the status.
         if self._current is not None:
@@ -193,8 +196,16 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             elif fault == REJECTED_HEADER:
                 self._send_continue()
                 self._copy_request_body(framing, length, sink=None)
-                self._send_s3_error(fault, method, (400, "Bad Request", "InvalidArgument",
-                                                    f"Unsupported header '{rejected}' received for this API call."))
+                self._send_s3_error(
+                    fault,
+                    method,
+                    (
+                        400,
+                        "Bad Request",
+                        "InvalidArgument",
+                        f"Unsupported header '{rejected}' received for this API call.",
+                    ),
+                )
             elif fault == STALL:
                 # Hold the request (body unread) as a hung store would; the client's read
                 # timeout usually fires first and it goes away, which ends the relay below.
@@ -234,7 +245,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self,
         framing: str,
         length: int,
-        sink: Optional[Callable[[bytes], Any]],
+        sink: Callable[[bytes], Any] | None,
         partial: bool = False,
     ) -> None:
         """Read the request body from the client, passing the raw bytes to ``sink``.
@@ -276,7 +287,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             raise _BadRequestBody("truncated or overlong line in chunked body")
         return line
 
-    def _copy_exact(self, nbytes: int, sink: Optional[Callable[[bytes], Any]]) -> None:
+    def _copy_exact(self, nbytes: int, sink: Callable[[bytes], Any] | None) -> None:
         while nbytes > 0:
             data = self.rfile.read(min(nbytes, _COPY_BYTES))
             if not data:
@@ -287,7 +298,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     # -- response side ------------------------------------------------------------------
 
-    def _send_s3_error(self, kind: str, method: str, detail: Optional[tuple[int, str, str, str]] = None) -> None:
+    def _send_s3_error(self, kind: str, method: str, detail: tuple[int, str, str, str] | None = None) -> None:
         """Answer with S3's XML error for ``kind`` (or ``detail``: status, reason, code, message);
         the connection stays usable."""
         status, reason, code, message = detail or _ERROR_STATUS[kind]
@@ -414,9 +425,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 conn = None
         if conn is None:
             proxy = self.server.proxy
-            conn = http.client.HTTPConnection(
-                proxy._up_host, proxy._up_port, timeout=self.timeout
-            )
+            conn = http.client.HTTPConnection(proxy._up_host, proxy._up_port, timeout=self.timeout)
             self._upstream_conn = conn
         return conn
 
@@ -488,7 +497,7 @@ class FaultProxy:
         error_rate: float = 0.0,
         cut_rate: float = 0.0,
         fail_all: bool = False,
-        match: Optional[Callable[[str, str], bool]] = None,
+        match: Callable[[str, str], bool] | None = None,
         seed: int = 0,
         stall_rate: float = 0.0,
         stall_s: float = 30.0,
@@ -518,8 +527,8 @@ class FaultProxy:
         self.history: list[ProxyRecord] = []
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._server: Optional[_ProxyServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self._server: _ProxyServer | None = None
+        self._thread: threading.Thread | None = None
         self._active: set[socket.socket] = set()
 
     @property
@@ -530,15 +539,17 @@ class FaultProxy:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         """Bind 127.0.0.1 on a free port and serve in a daemon thread; returns self."""
         if self._server is not None:
             raise RuntimeError("FaultProxy already started")
         self._stopping.clear()
         self._server = _ProxyServer(self)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
-            name="fault-proxy", daemon=True,
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="fault-proxy",
+            daemon=True,
         )
         self._thread.start()
         log.debug("fault proxy on %s -> %s", self.url, self.upstream)
@@ -582,20 +593,20 @@ class FaultProxy:
             self.injected.clear()
             self.history.clear()
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(
         self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 
     # Called from handler threads.
 
-    def _rejected_header(self, headers: Any) -> Optional[str]:
+    def _rejected_header(self, headers: Any) -> str | None:
         """The first request header whose name starts with one of ``reject_headers``, or None."""
         prefixes = self.reject_headers
         for name in headers.keys() if prefixes else ():
@@ -603,7 +614,7 @@ class FaultProxy:
                 return name.lower()
         return None
 
-    def _decide(self, method: str, target: str) -> Optional[str]:
+    def _decide(self, method: str, target: str) -> str | None:
         """Count the request and pick its fault kind, or ``None`` to forward it intact."""
         with self._lock:
             self.requests += 1
@@ -613,13 +624,17 @@ class FaultProxy:
             return None
         with self._lock:
             if self.fail_all:
-                kind: Optional[str] = THROTTLE
+                kind: str | None = THROTTLE
             else:
                 draw = self._rng.random()
                 kind = None
                 edge = 0.0
-                for name, rate in ((THROTTLE, self.throttle_rate), (ERROR, self.error_rate),
-                                   (CUT, self.cut_rate), (STALL, self.stall_rate)):
+                for name, rate in (
+                    (THROTTLE, self.throttle_rate),
+                    (ERROR, self.error_rate),
+                    (CUT, self.cut_rate),
+                    (STALL, self.stall_rate),
+                ):
                     edge += rate
                     if draw < edge:
                         kind = name
@@ -779,9 +794,7 @@ def _empty_and_delete_bucket(client: BaseClient, name: str) -> None:
     try:
         for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=name):
             for upload in page.get("Uploads", []):
-                client.abort_multipart_upload(
-                    Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
-                )
+                client.abort_multipart_upload(Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"])
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
             _delete_keys(client, name, [{"Key": o["Key"]} for o in page.get("Contents", [])])
         try:
@@ -792,9 +805,7 @@ def _empty_and_delete_bucket(client: BaseClient, name: str) -> None:
             # Only a test that turned versioning on leaves versions and delete markers.
             for page in client.get_paginator("list_object_versions").paginate(Bucket=name):
                 entries = page.get("Versions", []) + page.get("DeleteMarkers", [])
-                _delete_keys(
-                    client, name, [{"Key": e["Key"], "VersionId": e["VersionId"]} for e in entries]
-                )
+                _delete_keys(client, name, [{"Key": e["Key"], "VersionId": e["VersionId"]} for e in entries])
             client.delete_bucket(Bucket=name)
     except Exception as exc:  # cleanup must not mask the test's own result
         log.warning("could not clean up bucket %s: %r", name, exc)

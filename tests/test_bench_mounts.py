@@ -20,10 +20,11 @@ from benchmarks.mounts import (
 from tests.s3_fixtures import s3_client
 
 pytestmark = [
-    pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
-                       reason="FUSE mounts need root (s3fs/bindfs are apt-installed as root)"),
-    pytest.mark.skipif(not os.path.exists("/dev/fuse"),
-                       reason="no /dev/fuse (container without the FUSE device)"),
+    pytest.mark.skipif(
+        not hasattr(os, "geteuid") or os.geteuid() != 0,
+        reason="FUSE mounts need root (s3fs/bindfs are apt-installed as root)",
+    ),
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse (container without the FUSE device)"),
     pytest.mark.timeout(120),
 ]
 

@@ -35,8 +35,11 @@ def make_root(root: str) -> DataTracker:
     manager = CheckpointManager(root, keep_last=None, async_save=False)
     for step in (10, 20):
         tracker.record(0, 30)
-        sd = {"model": {"w": torch.full((64, 32), float(step)), "b": torch.zeros(32, dtype=torch.bfloat16)},
-              "optim": {"step": step, "exp_avg": torch.ones(64, 32)}, "data": TrackerStateful(tracker)}
+        sd = {
+            "model": {"w": torch.full((64, 32), float(step)), "b": torch.zeros(32, dtype=torch.bfloat16)},
+            "optim": {"step": step, "exp_avg": torch.ones(64, 32)},
+            "data": TrackerStateful(tracker),
+        }
         manager.save(step, sd)
     return tracker
 
@@ -70,11 +73,17 @@ def test_ls_inspect_verify_on_a_local_root(tmp_path: Path, staging: Path) -> Non
     assert "model.w" in text and "60 samples consumed" in text
 
     good = cli("verify", str(root / "step_00000010"), "-v")  # -v after the verb works too
-    assert good.returncode == 0 and ": OK;" in good.stdout and " checksummed (" in good.stdout, good.stdout + good.stderr
+    assert good.returncode == 0 and ": OK;" in good.stdout and " checksummed (" in good.stdout, (
+        good.stdout + good.stderr
+    )
     # Output cut short by the reader (`| head -1`) is not an error.
     exe = shutil.which("uc-checkpoint", path=str(Path(sys.executable).parent))
-    piped = subprocess.run(["bash", "-c", f"'{exe}' inspect '{root / 'step_00000020'}' | head -1; exit ${{PIPESTATUS[0]}}"],
-                           capture_output=True, text=True, timeout=300)
+    piped = subprocess.run(
+        ["bash", "-c", f"'{exe}' inspect '{root / 'step_00000020'}' | head -1; exit ${{PIPESTATUS[0]}}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert piped.returncode == 0 and "Broken pipe" not in piped.stderr, piped.stderr
 
     # A flipped byte in a data file: verify names it and exits 1; ls does not see it (sizes only).
@@ -129,4 +138,6 @@ def test_user_mistakes_are_one_line(args: list[str], needle: str) -> None:
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr and not out.stdout, (out.stdout, out.stderr)
     assert needle in out.stderr, out.stderr
-    assert len([line for line in out.stderr.splitlines() if line.strip()]) <= 2, out.stderr  # argparse adds its usage line
+    assert len([line for line in out.stderr.splitlines() if line.strip()]) <= 2, (
+        out.stderr
+    )  # argparse adds its usage line

@@ -205,7 +205,7 @@ def test_manager_loop_killed_in_every_phase(tmp_path: Path, capsys: pytest.Captu
         assert parent.poll(120), "the saving loop made no progress"
         confirmed = [parent.recv()]
         phase = crash_loop.Phase(Path(f"{phase_file}.0"))
-        hits[kill_when(phase, TARGETS[n % len(TARGETS)], rng, lambda: os.kill(proc.pid, signal.SIGKILL))] += 1
+        hits[kill_when(phase, TARGETS[n % len(TARGETS)], rng, lambda proc=proc: os.kill(proc.pid, signal.SIGKILL))] += 1
         proc.join(30)
         assert proc.exitcode == -signal.SIGKILL
         while parent.poll():
@@ -228,14 +228,35 @@ def test_two_rank_manager_loop_killed(tmp_path: Path, capsys: pytest.CaptureFixt
     hits: Counter = Counter()
     start = 0
     # The interesting phases first: CI runs only a couple of rounds.
-    targets = (crash_loop.UPLOAD, crash_loop.RETENTION, crash_loop.PRE_PUBLISH, crash_loop.GC, crash_loop.SERIALISE, None)
+    targets = (
+        crash_loop.UPLOAD,
+        crash_loop.RETENTION,
+        crash_loop.PRE_PUBLISH,
+        crash_loop.GC,
+        crash_loop.SERIALISE,
+        None,
+    )
     for n in range(ROUNDS_2RANK):
         confirmed_file.write_text("")
         (tmp_path / "phase.0").unlink(missing_ok=True)
         proc = subprocess.Popen(
-            [exe, "--standalone", "--nproc_per_node=2", str(SCRIPT_2RANK), str(root), str(staging), str(start),
-             str(phase_file), str(confirmed_file), str(rng.randrange(1 << 30))],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                exe,
+                "--standalone",
+                "--nproc_per_node=2",
+                str(SCRIPT_2RANK),
+                str(root),
+                str(staging),
+                str(start),
+                str(phase_file),
+                str(confirmed_file),
+                str(rng.randrange(1 << 30)),
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             deadline = time.monotonic() + 300
@@ -244,7 +265,7 @@ def test_two_rank_manager_loop_killed(tmp_path: Path, capsys: pytest.CaptureFixt
                 assert time.monotonic() < deadline, "the 2-rank saving loop made no progress"
                 time.sleep(0.1)
             phase = crash_loop.Phase(tmp_path / "phase.0")
-            hits[kill_when(phase, targets[n % len(targets)], rng, lambda: kill_process_tree(proc.pid))] += 1
+            hits[kill_when(phase, targets[n % len(targets)], rng, lambda proc=proc: kill_process_tree(proc.pid))] += 1
         finally:
             if proc.poll() is None:
                 kill_process_tree(proc.pid)

@@ -81,12 +81,16 @@ def make(
     tracker_batch: int = 1,
     **kwargs: Any,
 ) -> tuple[DataTracker, TrackedDataLoader]:
-    tracker = DataTracker(shards, seed=SEED, rank=rank, world_size=world, num_workers=workers,
-                          batch_size=tracker_batch)
+    tracker = DataTracker(shards, seed=SEED, rank=rank, world_size=world, num_workers=workers, batch_size=tracker_batch)
     if persistent:
         kwargs["persistent_workers"] = True
-    loader = TrackedDataLoader(TrackedShardDataset(tracker, read_shard), loader_cls=loader_class(kind),
-                               batch_size=batch_size, num_workers=workers, **kwargs)
+    loader = TrackedDataLoader(
+        TrackedShardDataset(tracker, read_shard),
+        loader_cls=loader_class(kind),
+        batch_size=batch_size,
+        num_workers=workers,
+        **kwargs,
+    )
     return tracker, loader
 
 
@@ -407,8 +411,11 @@ def test_drop_last_resumed_epoch_drops_no_more(resumes: list[tuple[int, int]]) -
 
 
 def test_drop_last_needs_a_batch_aligned_tracker() -> None:
-    with pytest.raises(DataLoadingError, match=r"drop_last=True with batch_size=4 needs a DataTracker built "
-                                                r"with batch_size=4 \(it has batch_size=1\).*drop_last=False"):
+    with pytest.raises(
+        DataLoadingError,
+        match=r"drop_last=True with batch_size=4 needs a DataTracker built "
+        r"with batch_size=4 \(it has batch_size=1\).*drop_last=False",
+    ):
         make(2, shards=SHARDS50, batch_size=4, drop_last=True)
     make(2, shards=SHARDS50, batch_size=4, drop_last=False)  # no drop, no constraint
 

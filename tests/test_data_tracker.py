@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import uc_checkpoint.data_tracker as dt
+
 DataTracker = dt.DataTracker
 DatasetMismatchError = dt.DatasetMismatchError
 Interval = dt.Interval
@@ -133,9 +134,7 @@ def test_exactly_once_across_resumes_and_topology_changes(sizes, seed, data):
                 saved_upto = len(log)
                 e = saved_state["epoch"]
                 # The state's consumed count covers every run that fed this checkpoint.
-                assert saved_state["samples_consumed_in_epoch"] == sum(
-                    1 for x in committed + log if x[0] == e
-                )
+                assert saved_state["samples_consumed_in_epoch"] == sum(1 for x in committed + log if x[0] == e)
                 assert (saved_state["remaining"] == []) == trackers[0].epoch_done(gather(trackers))
         # Crash (or end): what was consumed after the last save is lost with the model updates.
         if saved_state is not None:
@@ -155,9 +154,7 @@ def test_exactly_once_across_resumes_and_topology_changes(sizes, seed, data):
 
 @settings(max_examples=100, deadline=None)
 @given(sizes=sizes_st, topo=topology_st, seed=st.integers(0, 1000), epoch=st.integers(0, 5), data=st.data())
-def test_lockstep_resume_with_same_topology_gives_each_consumer_the_rest_of_its_slice(
-    sizes, topo, seed, epoch, data
-):
+def test_lockstep_resume_with_same_topology_gives_each_consumer_the_rest_of_its_slice(sizes, topo, seed, epoch, data):
     world, nw = topo
     shards = make_shards(sizes)
     before = make_trackers(shards, world=world, nw=nw, seed=seed)
@@ -235,9 +232,7 @@ def test_consumers_in_order_read_the_epoch_stream(sizes, topo, seed, epoch):
     read = [p for t in trackers for w in range(t.workers_per_rank) for p in iter_positions(t.consumer_slices(w))]
     assert read == stream
     # Consumer numbering: rank * workers_per_rank + worker.
-    assert [t.consumer_id(w) for t in trackers for w in range(t.workers_per_rank)] == list(
-        range(world * max(1, nw))
-    )
+    assert [t.consumer_id(w) for t in trackers for w in range(t.workers_per_rank)] == list(range(world * max(1, nw)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -426,7 +421,14 @@ def test_state_is_plain_json():
 
     assert plain(state)
     assert set(state) == {
-        "format", "fingerprint", "seed", "epoch", "remaining", "samples_consumed_in_epoch", "num_shards", "shards",
+        "format",
+        "fingerprint",
+        "seed",
+        "epoch",
+        "remaining",
+        "samples_consumed_in_epoch",
+        "num_shards",
+        "shards",
     }
     assert json.loads(json.dumps(state)) == state
 

@@ -109,9 +109,7 @@ def test_build_writes_index_with_provenance(built: ShardSet, corpus: bytes) -> N
         assert len(content) == entry["size"]
         assert hashlib.sha256(content).hexdigest() == entry["sha256"]
     # No temporary files are left behind.
-    assert sorted(p.name for p in built.root.iterdir()) == sorted(
-        [INDEX_NAME] + [e["name"] for e in index["shards"]]
-    )
+    assert sorted(p.name for p in built.root.iterdir()) == sorted([INDEX_NAME] + [e["name"] for e in index["shards"]])
 
 
 def test_shards_concatenate_to_corpus(built: ShardSet, corpus: bytes) -> None:
@@ -240,14 +238,10 @@ def test_load_detects_missing_shard(built: ShardSet, tmp_path: Path) -> None:
         lambda index: json.dumps({**index, "shards": None}),
         lambda index: json.dumps({**index, "shards": []}),
         lambda index: json.dumps({**index, "shards": [{"name": "shard_00000.bin"}]}),
-        lambda index: json.dumps(
-            {**index, "shards": [{**index["shards"][0], "name": "../outside.bin"}]}
-        ),
+        lambda index: json.dumps({**index, "shards": [{**index["shards"][0], "name": "../outside.bin"}]}),
     ],
 )
-def test_load_rejects_malformed_index(
-    built: ShardSet, tmp_path: Path, mutate: Any
-) -> None:
+def test_load_rejects_malformed_index(built: ShardSet, tmp_path: Path, mutate: Any) -> None:
     copy = _copy_set(built, tmp_path / "c")
     index_path = copy.root / INDEX_NAME
     index_path.write_text(mutate(json.loads(index_path.read_text())))
@@ -282,15 +276,12 @@ def test_sample_windows_match_corpus(built: ShardSet, corpus: bytes, seq_len: in
         with ShardReader(built.path(shard), seq_len) as reader:
             assert len(reader) == count
             for j in sorted({0, 1, count // 2, count - 1}):
-                expected = torch.tensor(
-                    list(corpus[offset + j * width : offset + (j + 1) * width]), dtype=torch.int64
-                )
+                expected = torch.tensor(list(corpus[offset + j * width : offset + (j + 1) * width]), dtype=torch.int64)
                 got = read_sample(built.path(shard), j, seq_len)
                 assert got.dtype == torch.int64 and got.shape == (width,)
                 assert torch.equal(got, expected)
                 assert torch.equal(reader[j], expected)
         offset += info.size
-
 
 
 def test_read_sample_bounds(built: ShardSet) -> None:
@@ -307,9 +298,7 @@ def test_read_sample_bounds(built: ShardSet) -> None:
         read_sample(built.root / "nope.bin", 0, 128)
 
 
-def test_read_sample_reads_only_the_window(
-    built: ShardSet, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_read_sample_reads_only_the_window(built: ShardSet, monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[int] = []
     seeks: list[int] = []
 

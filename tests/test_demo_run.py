@@ -20,13 +20,27 @@ from .conftest import run_script
 @pytest.mark.slow
 def test_demo_resumes_bit_exactly_and_on_one_rank(tmp_path: Path) -> None:
     proc = run_script(
-        [sys.executable, "-m", "uc_checkpoint.demo", "--workdir", str(tmp_path), "--steps", "8", "--save-every", "2",
-         "--timeout", "900"],
+        [
+            sys.executable,
+            "-m",
+            "uc_checkpoint.demo",
+            "--workdir",
+            str(tmp_path),
+            "--steps",
+            "8",
+            "--save-every",
+            "2",
+            "--timeout",
+            "900",
+        ],
         timeout=2400,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    assert "PASS: final parameters bit-identical to the uninterrupted run; every sample trained on exactly once" in proc.stdout, out[-5000:]
+    assert (
+        "PASS: final parameters bit-identical to the uninterrupted run; every sample trained on exactly once"
+        in proc.stdout
+    ), out[-5000:]
     assert "killed during upload: no .metadata (checked)" in proc.stdout, out[-5000:]
     assert "resume: step 4 from" in proc.stdout and "(2 -> 2 ranks;" in proc.stdout, out[-5000:]
     assert "resume: step 8 from" in proc.stdout and "(2 -> 1 ranks;" in proc.stdout, out[-5000:]

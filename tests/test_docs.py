@@ -15,8 +15,14 @@ from .conftest import REPO
 
 
 def test_api_reference_is_up_to_date() -> None:
-    proc = subprocess.run([sys.executable, "scripts/api_docs.py", "--check"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "scripts/api_docs.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -26,8 +32,9 @@ def test_quickstart_runs_as_written(tmp_path: Path) -> None:
     python_blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(python_blocks) >= 2
     for block in python_blocks:
-        proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=600, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+        )
         assert proc.returncode == 0, f"{block}\n---\n{proc.stderr[-3000:]}"
     exe_dir = str(Path(sys.executable).parent)
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):

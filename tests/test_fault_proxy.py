@@ -44,8 +44,7 @@ def _stored(s3_server: str, bucket: str, key: str) -> bytes:
     return s3_client(s3_server).get_object(Bucket=bucket, Key=key)["Body"].read()
 
 
-def test_round_trip_without_faults(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str,
-                                   tmp_path: Path) -> None:
+def test_round_trip_without_faults(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str, tmp_path: Path) -> None:
     client = s3_client(fault_proxy.url)
     small = os.urandom(1000)
     client.put_object(Bucket=s3_bucket, Key="small", Body=small)
@@ -84,8 +83,7 @@ def test_client_connections_are_kept_alive(fault_proxy: FaultProxy, s3_bucket: s
     assert fault_proxy.connections <= 2
 
 
-def test_aws_chunked_bodies_are_forwarded(fault_proxy: FaultProxy, s3_server: str,
-                                          s3_bucket: str) -> None:
+def test_aws_chunked_bodies_are_forwarded(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str) -> None:
     client = s3_client(fault_proxy.url)
     use_trailing_checksums(client)
     body = os.urandom(300_000)
@@ -93,10 +91,12 @@ def test_aws_chunked_bodies_are_forwarded(fault_proxy: FaultProxy, s3_server: st
     # A single part may be smaller than 5 MiB, which keeps this quick.
     part = os.urandom(200_000)
     upload_id = client.create_multipart_upload(Bucket=s3_bucket, Key="multi")["UploadId"]
-    etag = client.upload_part(Bucket=s3_bucket, Key="multi", UploadId=upload_id, PartNumber=1,
-                              Body=io.BytesIO(part))["ETag"]
-    client.complete_multipart_upload(Bucket=s3_bucket, Key="multi", UploadId=upload_id,
-                                     MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]})
+    etag = client.upload_part(Bucket=s3_bucket, Key="multi", UploadId=upload_id, PartNumber=1, Body=io.BytesIO(part))[
+        "ETag"
+    ]
+    client.complete_multipart_upload(
+        Bucket=s3_bucket, Key="multi", UploadId=upload_id, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]}
+    )
 
     uploads = [r for r in fault_proxy.history if r.method == "PUT" and r.framing != "none"]
     assert len(uploads) == 2  # PutObject + UploadPart
@@ -108,8 +108,9 @@ def test_aws_chunked_bodies_are_forwarded(fault_proxy: FaultProxy, s3_server: st
     assert _stored(s3_server, s3_bucket, "multi") == part
 
 
-def test_throttles_and_errors_are_retried(fault_proxy: FaultProxy, s3_server: str,
-                                          s3_bucket: str, fast_retries: float) -> None:
+def test_throttles_and_errors_are_retried(
+    fault_proxy: FaultProxy, s3_server: str, s3_bucket: str, fast_retries: float
+) -> None:
     fault_proxy.throttle_rate = 0.3
     fault_proxy.error_rate = 0.1
     client = s3_client(fault_proxy.url, retries={"mode": "standard", "max_attempts": 10})
@@ -135,8 +136,9 @@ def test_throttles_and_errors_are_retried(fault_proxy: FaultProxy, s3_server: st
         ({"mode": "standard", "max_attempts": 2}, 3),
     ],
 )
-def test_fail_all_exhausts_attempts(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str,
-                                    fast_retries: float, retries: dict, attempts: int) -> None:
+def test_fail_all_exhausts_attempts(
+    fault_proxy: FaultProxy, s3_server: str, s3_bucket: str, fast_retries: float, retries: dict, attempts: int
+) -> None:
     fault_proxy.fail_all = True
     client = s3_client(fault_proxy.url, retries=retries)
     with pytest.raises(ClientError) as info:
@@ -179,8 +181,7 @@ def test_cut_get_truncates_body(fault_proxy: FaultProxy, s3_server: str, s3_buck
     assert fault_proxy.injected == {"cut": 1}
 
 
-def test_cut_put_never_reaches_server(fault_proxy: FaultProxy, s3_server: str,
-                                      s3_bucket: str) -> None:
+def test_cut_put_never_reaches_server(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str) -> None:
     fault_proxy.cut_rate = 1.0
     client = s3_client(fault_proxy.url, retries={"mode": "standard", "total_max_attempts": 1})
     with pytest.raises(ConnectionClosedError):
@@ -195,8 +196,7 @@ def test_cut_put_never_reaches_server(fault_proxy: FaultProxy, s3_server: str,
     assert info.value.response["Error"]["Code"] == "404"
 
 
-def test_match_limits_faults(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str,
-                             fast_retries: float) -> None:
+def test_match_limits_faults(fault_proxy: FaultProxy, s3_server: str, s3_bucket: str, fast_retries: float) -> None:
     fault_proxy.fail_all = True
     fault_proxy.match = lambda method, path: method == "PUT" and path.endswith("/bad")
     client = s3_client(fault_proxy.url, retries={"mode": "standard", "total_max_attempts": 3})
@@ -216,9 +216,7 @@ def test_match_limits_faults(fault_proxy: FaultProxy, s3_server: str, s3_bucket:
     # Only the second part of a multipart upload is cut, once; the transfer retries it.
     fault_proxy.fail_all = False
     fault_proxy.cut_rate = 1.0
-    fault_proxy.match = lambda method, path: (
-        "partNumber=2&" in path + "&" and fault_proxy.injected["cut"] == 0
-    )
+    fault_proxy.match = lambda method, path: "partNumber=2&" in path + "&" and fault_proxy.injected["cut"] == 0
     data = os.urandom(5 * MiB + 100_000)  # part 2 is the small tail
     client.upload_fileobj(io.BytesIO(data), s3_bucket, "multi", Config=MULTIPART)
     assert fault_proxy.injected["cut"] == 1

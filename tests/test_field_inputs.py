@@ -111,8 +111,11 @@ def test_an_s3_data_file_that_grew_is_refused(s3_server: str, s3_bucket: str, mo
     url = f"s3://{s3_bucket}/grown"
     dcp.save(_sd(), storage_writer=UCVolumeWriter(url), no_dist=True)
     client = s3_client(s3_server)
-    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="grown/")["Contents"]
-               if o["Key"].endswith(".distcp"))
+    key = next(
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="grown/")["Contents"]
+        if o["Key"].endswith(".distcp")
+    )
     body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
     client.put_object(Bucket=s3_bucket, Key=key, Body=body + b"\0" * (4 << 20))
     err = _load_error(url, prefetch=True)
@@ -135,8 +138,14 @@ def test_the_package_exports_the_names_users_reach_for() -> None:
         "assert not missing, missing\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
@@ -147,11 +156,20 @@ def test_the_package_exports_the_names_users_reach_for() -> None:
 def _spellings(kind: str, base: str) -> list[str]:
     """Spellings of the location ``<base>/run1/step_00000005`` for one volume kind."""
     if kind == "local":
-        return [f"{base}/run1/step_00000005", f"{base}/run1/step_00000005/", f"{base}//run1///step_00000005",
-                f"{base}/run1/./step_00000005", f"file://{base}/run1/step_00000005/",
-                f"file://localhost{base}/run1//step_00000005"]
-    return [f"{base}/run1/step_00000005", f"{base}/run1/step_00000005/", f"{base}/run1//step_00000005",
-            f"{base}//run1/step_00000005//"]
+        return [
+            f"{base}/run1/step_00000005",
+            f"{base}/run1/step_00000005/",
+            f"{base}//run1///step_00000005",
+            f"{base}/run1/./step_00000005",
+            f"file://{base}/run1/step_00000005/",
+            f"file://localhost{base}/run1//step_00000005",
+        ]
+    return [
+        f"{base}/run1/step_00000005",
+        f"{base}/run1/step_00000005/",
+        f"{base}/run1//step_00000005",
+        f"{base}//run1/step_00000005//",
+    ]
 
 
 def _roots(kind: str, base: str) -> list[str]:
@@ -219,7 +237,13 @@ def test_ambiguous_or_invalid_locations_are_refused_at_once(location: str, words
 
 
 def test_the_cli_refuses_an_invalid_bucket_in_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "uc_checkpoint.cli", "ls", "s3://ab/run"], capture_output=True,
-                          text=True, cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "uc_checkpoint.cli", "ls", "s3://ab/run"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 2 and "invalid S3 bucket name 'ab'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -60,7 +60,11 @@ def test_local_leftovers_collected_checkpoints_and_recent_files_spared(tmp_path:
     new_stage.mkdir(parents=True)
 
     dry = collect_garbage(str(root), grace_s=3600, staging_dir=staging, dry_run=True)
-    assert sorted(Path(p).name for p in dry.deleted_files) == ["__0_aaaa_0.distcp", "__0_cccc_0.distcp", "__1_aaaa_0.distcp"]
+    assert sorted(Path(p).name for p in dry.deleted_files) == [
+        "__0_aaaa_0.distcp",
+        "__0_cccc_0.distcp",
+        "__1_aaaa_0.distcp",
+    ]
     assert dry.deleted_bytes == 157 and dead.exists() and orphan.exists() and old_stage.exists()
 
     assert cli_main(["gc", str(root), "--grace-s", "3600", "--staging-dir", str(staging)]) == 0
@@ -87,8 +91,13 @@ def test_s3_incomplete_uploads_and_unpublished_objects(s3_server: str, s3_bucket
     # (moto reports every multipart upload as initiated in 2010, so the age filter on uploads cannot
     # be exercised against it; the upload is created after the first pass instead.)
     upload = client.create_multipart_upload(Bucket=s3_bucket, Key="gc-run/step_00000006/__0_eeee_1.distcp")
-    client.upload_part(Bucket=s3_bucket, Key="gc-run/step_00000006/__0_eeee_1.distcp", UploadId=upload["UploadId"],
-                       PartNumber=1, Body=b"p" * 1024)
+    client.upload_part(
+        Bucket=s3_bucket,
+        Key="gc-run/step_00000006/__0_eeee_1.distcp",
+        UploadId=upload["UploadId"],
+        PartNumber=1,
+        Body=b"p" * 1024,
+    )
 
     report = collect_garbage(root, grace_s=0, include_staging=False)
     assert [u.rsplit("/", 2)[-2:] for u in report.deleted_files] == [["step_00000006", "__0_eeee_0.distcp"]]

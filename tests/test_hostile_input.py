@@ -217,8 +217,18 @@ def test_reader_keeps_the_opt_in_when_pickled(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "bad",
     # "ABS" stands for an absolute path to a decoy file (tmp_path is not known here).
-    ["../x.distcp", "/etc/passwd", "ABS", "s3://other/x", "sub/x.distcp", "..\\x.distcp", "", "..", "x\0.distcp",
-     "C:x.distcp"],
+    [
+        "../x.distcp",
+        "/etc/passwd",
+        "ABS",
+        "s3://other/x",
+        "sub/x.distcp",
+        "..\\x.distcp",
+        "",
+        "..",
+        "x\0.distcp",
+        "C:x.distcp",
+    ],
 )
 def test_data_file_outside_the_checkpoint_is_refused(saved: tuple[Path, dict], tmp_path: Path, bad: str) -> None:
     dest, sd = saved
@@ -374,8 +384,17 @@ def test_real_checkpoints_load_unchanged(tmp_path: Path, staging: Path, writer: 
     """Every global real checkpoints name is allowed, and the restricted loader returns what
     pickle.loads does (tensors of many dtypes, channels-last, requires_grad, 0-d, plain objects)."""
     sd: dict[str, Any] = make_state_dict(3, n=1, rows=8)
-    for dtype in (torch.float16, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
-                  torch.bool, torch.complex64, torch.float8_e4m3fn):
+    for dtype in (
+        torch.float16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.bool,
+        torch.complex64,
+        torch.float8_e4m3fn,
+    ):
         sd[f"t_{dtype}".replace("torch.", "")] = torch.ones(3).to(dtype)
     sd["channels_last"] = torch.randn(1, 2, 3, 3).to(memory_format=torch.channels_last)
     sd["grad"] = torch.randn(2, requires_grad=True)

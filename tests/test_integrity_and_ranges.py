@@ -101,7 +101,9 @@ def test_plan_ranges_caps_merged_size_but_keeps_big_items_whole() -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(
-    items=st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 5000), st.integers(1, 800)), min_size=1, max_size=30),
+    items=st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 5000), st.integers(1, 800)), min_size=1, max_size=30
+    ),
     gap=st.integers(0, 600),
     cap=st.integers(1, 3000),
     block=st.sampled_from([0, 1, 64, 1000]),
@@ -109,8 +111,13 @@ def test_plan_ranges_caps_merged_size_but_keeps_big_items_whole() -> None:
 def test_plan_ranges_covers_every_item_exactly_once(items, gap: int, cap: int, block: int) -> None:
     spans = [(name, off, length, idx) for idx, (name, off, length) in enumerate(items)]
     sizes = {n: 6000 for n in "abc"}
-    reqs = plan_ranges(spans, file_sizes=sizes, block_sizes={n: block for n in "abc"} if block else None,
-                       gap_bytes=gap, max_range_bytes=cap)
+    reqs = plan_ranges(
+        spans,
+        file_sizes=sizes,
+        block_sizes={n: block for n in "abc"} if block else None,
+        gap_bytes=gap,
+        max_range_bytes=cap,
+    )
     seen = [i for r in reqs for i in r.items]
     assert sorted(seen) == list(range(len(items)))
     for r in reqs:

@@ -22,8 +22,19 @@ from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import CorruptCheckpointError, rank_error
 from uc_checkpoint.item_codec import MAX_FAST_BYTES, ItemChecksumError, ItemCodec
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -40,8 +51,12 @@ def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(1, 9), min_size=0, max_size=3), seed=st.integers(0, 2**16))
-def test_written_items_are_torch_save_archives_and_decode_exactly(dtype: torch.dtype, shape: list[int], seed: int) -> None:
+@given(
+    dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(1, 9), min_size=0, max_size=3), seed=st.integers(0, 2**16)
+)
+def test_written_items_are_torch_save_archives_and_decode_exactly(
+    dtype: torch.dtype, shape: list[int], seed: int
+) -> None:
     codec = ItemCodec()
     t = _random(dtype, tuple(shape), seed)
     buf = io.BytesIO()
@@ -145,7 +160,9 @@ def test_checkpoints_of_small_tensors_round_trip_with_stock_dcp(
 
 
 @pytest.mark.parametrize("prefetch_files", [True, False])
-def test_a_damaged_small_tensor_in_a_stock_checkpoint_is_named(tmp_path: Path, staging: Path, prefetch_files: bool) -> None:
+def test_a_damaged_small_tensor_in_a_stock_checkpoint_is_named(
+    tmp_path: Path, staging: Path, prefetch_files: bool
+) -> None:
     """A checkpoint from stock FileSystemWriter has no manifest, so no file checksums; a flipped
     byte in a small tensor's data is still caught by the archive's own CRC-32 (torch.load is not)."""
     sd = _many_small(1)

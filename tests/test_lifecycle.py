@@ -35,8 +35,9 @@ from .s3_fixtures import s3_client
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("group", "mode", "steps"), [("own", "thread", 24), ("default", "thread", 24),
-                                                       ("default", "process", 12)])
+@pytest.mark.parametrize(
+    ("group", "mode", "steps"), [("own", "thread", 24), ("default", "thread", 24), ("default", "process", 12)]
+)
 def test_training_collectives_never_pair_with_a_background_save(
     tmp_path: Path, group: str, mode: str, steps: int
 ) -> None:
@@ -56,8 +57,11 @@ def test_training_collectives_never_pair_with_a_background_save(
 
 
 def _exit_script(kind: str, mode: str, location: str, tmp_path: Path, env: dict | None = None) -> Any:
-    return run_script([sys.executable, str(SCRIPTS / "exit_with_save_in_flight.py"),
-                       kind, mode, location, str(tmp_path / "pg")], timeout=240, env=env)
+    return run_script(
+        [sys.executable, str(SCRIPTS / "exit_with_save_in_flight.py"), kind, mode, location, str(tmp_path / "pg")],
+        timeout=240,
+        env=env,
+    )
 
 
 def _load_back(location: str) -> dict[str, torch.Tensor]:
@@ -67,8 +71,10 @@ def _load_back(location: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "mode"), [("writer", "thread"), ("writer", "process"), ("manager", "thread"),
-                                            ("manager", "process"), ("stager", "thread")])
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [("writer", "thread"), ("writer", "process"), ("manager", "thread"), ("manager", "process"), ("stager", "thread")],
+)
 def test_a_save_in_flight_at_exit_is_finished(tmp_path: Path, kind: str, mode: str) -> None:
     location = tmp_path / "vol"
     proc = _exit_script(kind, mode, str(location), tmp_path)
@@ -92,7 +98,9 @@ def test_a_save_in_flight_at_exit_reaches_s3(tmp_path: Path, s3_server: str, s3_
     proc = _exit_script(kind, "thread", root, tmp_path, env={"AWS_ENDPOINT_URL": s3_server})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = f"{root}/step_00000005" if kind == "manager" else root
-    keys = [o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=s3_bucket, Prefix="exit/").get("Contents", [])]
+    keys = [
+        o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=s3_bucket, Prefix="exit/").get("Contents", [])
+    ]
     assert any(k.endswith("/.metadata") for k in keys), keys
     old_endpoint = os.environ.get("AWS_ENDPOINT_URL")
     os.environ["AWS_ENDPOINT_URL"] = s3_server
@@ -115,7 +123,9 @@ def test_a_save_failing_at_exit_is_reported_on_stderr(tmp_path: Path, kind: str)
     location = tmp_path / "vol"
     proc = _exit_script(kind, "thread", str(location), tmp_path, env={"UC_CHECKPOINT_STAGING_DIR": str(blocker)})
     assert "SCRIPT END" in proc.stdout
-    assert "failed" in proc.stderr and "StagingError" in proc.stderr and str(location) in proc.stderr, proc.stderr[-3000:]
+    assert "failed" in proc.stderr and "StagingError" in proc.stderr and str(location) in proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert not list(location.rglob(".metadata"))
 
 
@@ -157,7 +167,9 @@ def _save_error(sd: dict, writer: UCVolumeWriter) -> BaseException:
     return rank_error(info.value)
 
 
-def test_a_resave_whose_metadata_is_lost_keeps_the_old_checkpoint(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_a_resave_whose_metadata_is_lost_keeps_the_old_checkpoint(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     loc = tmp_path / "ckpt"
     dcp.save(_sd(1.0), storage_writer=UCVolumeWriter(loc), no_dist=True)
     old_files = sorted(p.name for p in loc.iterdir())
@@ -321,8 +333,9 @@ def test_a_save_without_checkpoint_id_stays_where_the_writer_pointed(tmp_path: P
     for i in range(25):
         writer = UCVolumeWriter(tmp_path / f"P{i}")
         first = dcp.async_save({"w": torch.ones(16)}, storage_writer=writer, no_dist=True)
-        second = dcp.async_save({"w": torch.full((16,), 2.0)}, storage_writer=writer,
-                                checkpoint_id=tmp_path / f"Q{i}", no_dist=True)
+        second = dcp.async_save(
+            {"w": torch.full((16,), 2.0)}, storage_writer=writer, checkpoint_id=tmp_path / f"Q{i}", no_dist=True
+        )
         first.result(timeout=60)
         second.result(timeout=60)
         for loc, value in ((tmp_path / f"P{i}", 1.0), (tmp_path / f"Q{i}", 2.0)):

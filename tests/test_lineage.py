@@ -30,8 +30,9 @@ from uc_checkpoint.verify import verify_checkpoint
         ([(100, False), (110, False), (120, False), (200, True)], 2, None, (120,), [200, 100]),
         ([(100, False), (110, False), (200, True)], 3, None, (), []),
         # keep_every still keeps an abandoned multiple.
-        ([(100, False), (110, False), (120, False), (200, True)], 2, 100, (), [100]) if False else
-        ([(100, False), (110, False), (120, False), (200, True)], 2, 200, (), [100]),
+        ([(100, False), (110, False), (120, False), (200, True)], 2, 100, (), [100])
+        if False
+        else ([(100, False), (110, False), (120, False), (200, True)], 2, 200, (), [100]),
         ([(100, True), (200, True)], 1, None, (), [100]),
     ],
 )
@@ -97,8 +98,9 @@ def test_a_rollback_is_not_undone(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     assert pointer is not None and pointer["step"] == 125
 
 
-def test_a_rollback_is_not_undone_on_s3(s3_server: str, s3_bucket: str, caplog: pytest.LogCaptureFixture,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rollback_is_not_undone_on_s3(
+    s3_server: str, s3_bucket: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
     _rollback_sequence(f"s3://{s3_bucket}/lineage", caplog)
 

@@ -121,8 +121,15 @@ def test_second_process_watching_sees_a_later_checkpoint(tmp_path: Path, staging
     publisher = CheckpointManager(url, keep_last=None, async_save=False)
     publisher.save(1, state(1))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "cache_watcher.py"), url], cwd=REPO, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "cache_watcher.py"), url],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def ask(command: str) -> str:
         assert proc.stdin is not None and proc.stdout is not None

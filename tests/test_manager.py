@@ -193,8 +193,13 @@ def test_sigterm_takes_a_final_checkpoint(tmp_path: Path, staging: Path) -> None
     from .conftest import REPO, SCRIPTS
 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "preempted_loop.py"), str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "preempted_loop.py"), str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines = []
     try:
         for line in proc.stdout:  # type: ignore[union-attr]

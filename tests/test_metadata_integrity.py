@@ -30,8 +30,13 @@ def _sd() -> dict:
 
 
 def _blank() -> dict:
-    return {"a": torch.zeros(10), "m": torch.zeros(64, 33, dtype=torch.bfloat16), "big": torch.zeros(70_000),
-            "ids": torch.zeros(7, dtype=torch.int64), "extra": {"step": None, "name": None}}
+    return {
+        "a": torch.zeros(10),
+        "m": torch.zeros(64, 33, dtype=torch.bfloat16),
+        "big": torch.zeros(70_000),
+        "ids": torch.zeros(7, dtype=torch.int64),
+        "extra": {"step": None, "name": None},
+    }
 
 
 def _equal(a: dict, b: dict) -> bool:

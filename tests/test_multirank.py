@@ -30,9 +30,15 @@ def test_two_ranks_local_and_s3(tmp_path: Path, s3_server: str, s3_bucket: str, 
     for mode in S3_MODES:
         args += [s3_root, mode]
     proc = torchrun(
-        SCRIPTS / "multirank_roundtrip.py", *args, nproc=2, timeout=1400,
-        env={"AWS_ENDPOINT_URL": s3_server, "UC_TEST_FAIL_ENDPOINT": fault_proxy.url,
-             "UC_TEST_STAGING_ROOT": str(tmp_path / "staging")},
+        SCRIPTS / "multirank_roundtrip.py",
+        *args,
+        nproc=2,
+        timeout=1400,
+        env={
+            "AWS_ENDPOINT_URL": s3_server,
+            "UC_TEST_FAIL_ENDPOINT": fault_proxy.url,
+            "UC_TEST_STAGING_ROOT": str(tmp_path / "staging"),
+        },
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

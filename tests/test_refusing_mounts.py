@@ -70,8 +70,12 @@ class RefusingMount:
             return real_link(src, dst, *args, **kwargs)
 
         def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wa+") and _inside(file, root) \
-                    and os.path.exists(file):
+            if (
+                isinstance(file, (str, os.PathLike))
+                and any(c in mode for c in "wa+")
+                and _inside(file, root)
+                and os.path.exists(file)
+            ):
                 self.refused["overwrite"] += 1
                 raise PermissionError(errno.EPERM, "Operation not permitted", os.fspath(file))
             return builtins.open(file, mode, *args, **kwargs)
@@ -161,7 +165,9 @@ def test_retention_failing_does_not_stop_the_pointer(tmp_path: Path, staging: Pa
         for step in range(1, 5):
             manager.save(step, state(step))
     assert mount.refused["delete"] >= 2
-    assert "after publishing step 4 under" in caplog.text and "retention (deleting old checkpoints) failed" in caplog.text
+    assert (
+        "after publishing step 4 under" in caplog.text and "retention (deleting old checkpoints) failed" in caplog.text
+    )
     assert str(root) in caplog.text and "step_00000001" in caplog.text  # where: the location it could not delete
     assert json.loads((root / "latest").read_text())["step"] == 4
     assert steps_on_disk(root) == [1, 2, 3, 4] and manager.latest() == 4

@@ -45,8 +45,9 @@ def _load(location: str, **kwargs: object) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_boto3s_when_required_settings_are_honoured(picky_store: FaultProxy, s3_bucket: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_boto3s_when_required_settings_are_honoured(
+    picky_store: FaultProxy, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name, value in QUIET.items():
         monkeypatch.setenv(name, value)
     url = f"s3://{s3_bucket}/b2-like/step_00000001"
@@ -86,20 +87,34 @@ def test_volume_options_reach_every_url_entry_point(picky_store: FaultProxy, s3_
 
 def test_the_cli_takes_volume_options(picky_store: FaultProxy, s3_bucket: str) -> None:
     CheckpointManager(f"s3://{s3_bucket}/cli-run", volume_options={"checksums": False}, async_save=False).save(
-        5, _sd(5.0))
+        5, _sd(5.0)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for verb, location in (("ls", f"s3://{s3_bucket}/cli-run"), ("verify", f"s3://{s3_bucket}/cli-run/step_00000005")):
-        ok = subprocess.run([sys.executable, "-m", "uc_checkpoint.cli", verb, location, "-o", "checksums=False"],
-                            capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
+        ok = subprocess.run(
+            [sys.executable, "-m", "uc_checkpoint.cli", verb, location, "-o", "checksums=False"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=180,
+        )
         assert ok.returncode == 0, (verb, ok.stderr[-2000:])
     assert "complete" in ok.stdout or "OK" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "uc_checkpoint.cli", "ls", f"s3://{s3_bucket}/cli-run", "-o", "nonsense=1"],
-                         capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
+    bad = subprocess.run(
+        [sys.executable, "-m", "uc_checkpoint.cli", "ls", f"s3://{s3_bucket}/cli-run", "-o", "nonsense=1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=180,
+    )
     assert bad.returncode == 2 and "nonsense" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
-def test_a_store_refusing_conditional_writes_names_the_setting(s3_server: str, s3_bucket: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_store_refusing_conditional_writes_names_the_setting(
+    s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with FaultProxy(s3_server, conditional_writes="reject") as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         url = f"s3://{s3_bucket}/no-conditions/step_00000001"

@@ -71,7 +71,7 @@ def test_endpoint_and_credentials_from_the_environment(
     sd = make_state_dict(2, n=2)
     out = save_and_load(url, sd)
     assert_state_dict_equal(sd, out)
-    assert f"env/ck/.metadata" in keys(s3_server, s3_bucket)
+    assert "env/ck/.metadata" in keys(s3_server, s3_bucket)
 
 
 def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str, s3_bucket: str, staging: Path) -> None:
@@ -93,7 +93,9 @@ def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str,
     assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
 
 
-def test_partial_load_fetches_only_the_needed_ranges(s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy) -> None:
+def test_partial_load_fetches_only_the_needed_ranges(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
     volume = s3_volume(fault_proxy.url, s3_bucket, "partial")
     sd = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 1 MiB each, 8 MiB in one file
     dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 20))
@@ -103,7 +105,7 @@ def test_partial_load_fetches_only_the_needed_ranges(s3_server: str, s3_bucket: 
     assert torch.equal(out["t5"], sd["t5"])
     ranges = [r.header("Range") for r in fault_proxy.history if r.method == "GET" and ".distcp" in r.path]
     assert ranges and all(rng and rng.startswith("bytes=") for rng in ranges), ranges
-    spans = [tuple(int(x) for x in rng[len("bytes="):].split("-")) for rng in ranges]
+    spans = [tuple(int(x) for x in rng[len("bytes=") :].split("-")) for rng in ranges]
     fetched = sum(hi - lo + 1 for lo, hi in spans)
     # The one tensor (1 MiB) widened to its 4 MiB checksum blocks at most: never the 8 MiB file.
     assert 1 << 20 <= fetched <= 4 << 20, spans
@@ -127,7 +129,9 @@ def test_overwrite_false_uses_a_conditional_put(s3_server: str, s3_bucket: str, 
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["ranges", "whole-files"])
-def test_corrupted_missing_and_truncated_objects_are_named(s3_server: str, s3_bucket: str, staging: Path, prefetch: bool) -> None:
+def test_corrupted_missing_and_truncated_objects_are_named(
+    s3_server: str, s3_bucket: str, staging: Path, prefetch: bool
+) -> None:
     volume = s3_volume(s3_server, s3_bucket, f"bad-{prefetch}")
     sd = make_state_dict(5)
     dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
@@ -168,9 +172,16 @@ def test_missing_bucket_and_checkpoint_are_clear_errors(s3_server: str, staging:
         S3Volume("s3:///prefix")
 
 
-def test_flaky_store_still_saves_and_loads(s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy) -> None:
+def test_flaky_store_still_saves_and_loads(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
     volume = s3_volume(
-        fault_proxy.url, s3_bucket, "flaky", max_attempts=10, multipart_threshold=5 << 20, part_size=5 << 20,
+        fault_proxy.url,
+        s3_bucket,
+        "flaky",
+        max_attempts=10,
+        multipart_threshold=5 << 20,
+        part_size=5 << 20,
         read_timeout=5,
     )
     sd = {**make_state_dict(6), "big": torch.randn(3 << 20)}
@@ -184,7 +195,9 @@ def test_flaky_store_still_saves_and_loads(s3_server: str, s3_bucket: str, stagi
 def test_failing_store_gives_a_clear_error_and_publishes_nothing(
     s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
 ) -> None:
-    volume = s3_volume(fault_proxy.url, s3_bucket, "dead", max_attempts=2, multipart_threshold=5 << 20, part_size=5 << 20)
+    volume = s3_volume(
+        fault_proxy.url, s3_bucket, "dead", max_attempts=2, multipart_threshold=5 << 20, part_size=5 << 20
+    )
     good = make_state_dict(7, n=1)
     dcp.save(good, storage_writer=UCVolumeWriter(volume))  # a previous good checkpoint
     # Every part upload fails from now on; the rest of S3 works, so s3transfer can abort.
@@ -274,7 +287,9 @@ def _data_requests(method: str, path: str) -> bool:
     return ".distcp" in path and method in ("PUT", "POST", "GET")
 
 
-def test_slow_store_read_timeouts_are_retried(s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy) -> None:
+def test_slow_store_read_timeouts_are_retried(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
     # A store that sometimes answers nothing for longer than the client waits: each such request
     # times out and is retried; the checkpoint saves and loads intact.
     volume = s3_volume(fault_proxy.url, s3_bucket, "slow", max_attempts=10, read_timeout=1)

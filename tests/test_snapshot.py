@@ -98,11 +98,10 @@ def test_async_save_keeps_the_values_of_the_moment_it_returned(single_rank_group
     """The snapshot is what gets saved: in-place updates right after async_save returns (the next
     optimizer step) must not reach the checkpoint, for plain tensors and DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor, Shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
-    sd = {"model": {"w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]), "b": torch.randn(32)},
-          "step": 7}
+    sd = {"model": {"w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]), "b": torch.randn(32)}, "step": 7}
     expected = {"w": sd["model"]["w"].full_tensor().clone(), "b": sd["model"]["b"].clone()}
     fut = dcp.async_save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"))
     with torch.no_grad():
@@ -111,8 +110,7 @@ def test_async_save_keeps_the_values_of_the_moment_it_returned(single_rank_group
     sd["step"] = 8
     fut.result(timeout=120)
 
-    target = {"model": {"w": distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)]), "b": torch.zeros(32)},
-              "step": 0}
+    target = {"model": {"w": distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)]), "b": torch.zeros(32)}, "step": 0}
     dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
     assert torch.equal(target["model"]["w"].full_tensor(), expected["w"])
     assert torch.equal(target["model"]["b"], expected["b"])

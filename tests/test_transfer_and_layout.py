@@ -88,12 +88,23 @@ def test_checkpoint_names_and_latest(tmp_path: Path) -> None:
         if published:
             (d / ".metadata").write_bytes(b"m")
     (tmp_path / "notes").mkdir()
-    assert list_checkpoints(root) == [(10, "step_00000010", True), (20, "step_00000020", True), (30, "step_00000030", False)]
+    assert list_checkpoints(root) == [
+        (10, "step_00000010", True),
+        (20, "step_00000020", True),
+        (30, "step_00000030", False),
+    ]
     assert latest_checkpoint(root) == (20, "step_00000020")
 
 
 def test_checkpoint_file_names() -> None:
-    for ok in (".metadata", "__3.metadata", "__0_1a2b3c4d_0.distcp", "__0_0.distcp", ".metadata.tmp", ".metadata.0123456789ab.tmp"):
+    for ok in (
+        ".metadata",
+        "__3.metadata",
+        "__0_1a2b3c4d_0.distcp",
+        "__0_0.distcp",
+        ".metadata.tmp",
+        ".metadata.0123456789ab.tmp",
+    ):
         assert is_checkpoint_file(ok), ok
     for bad in ("notes.txt", "metadata", "model.pt", ".metadata.bak"):
         assert not is_checkpoint_file(bad), bad

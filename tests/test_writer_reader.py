@@ -220,7 +220,9 @@ def test_failed_upload_publishes_nothing_and_keeps_previous(tmp_path: Path, stag
     dest = tmp_path / "ckpt"
     dcp.save(make_state_dict(9), storage_writer=UCVolumeWriter(dest))
     with pytest.raises(CheckpointException) as ei:
-        dcp.save(make_state_dict(10, n=6), storage_writer=UCVolumeWriter(FailingVolume(dest, 2), file_size_bytes=50_000))
+        dcp.save(
+            make_state_dict(10, n=6), storage_writer=UCVolumeWriter(FailingVolume(dest, 2), file_size_bytes=50_000)
+        )
     assert isinstance(cause(ei), TransferError) and "injected" in str(cause(ei))
     out = empty_like_state_dict(make_state_dict(9))
     dcp.load(out, storage_reader=UCVolumeReader(dest))  # the previous checkpoint is intact

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointExistsError,
-    ConcurrentSaveError,
     CheckpointNotFoundError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     DataLoadingError,
     DatasetMismatchError,

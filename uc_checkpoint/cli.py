@@ -101,21 +101,29 @@ def _inspect(args: argparse.Namespace) -> int:
     if info.get("saved_by"):
         by = info["saved_by"]
         print(f"  saved by host {by.get('host')}, pid {by.get('pid')} (save {info.get('save_id')})")
-    print(f"  {len(info['items'])} items, {_size(info['total_bytes'])} in {sum(len(v) for v in info['files'].values())} files")
+    print(
+        f"  {len(info['items'])} items, {_size(info['total_bytes'])} in {sum(len(v) for v in info['files'].values())} files"
+    )
     print(f"\n  {'key':50} {'dtype':10} {'shape':24} {'size':>10} chunks")
     for item in info["items"]:
         shape = "x".join(map(str, item["shape"])) if item["shape"] is not None else "(object)"
-        print(f"  {item['key'][:50]:50} {item['dtype'] or '-':10} {shape[:24]:24} {_size(item['bytes']):>10} {item['chunks']}")
+        print(
+            f"  {item['key'][:50]:50} {item['dtype'] or '-':10} {shape[:24]:24} {_size(item['bytes']):>10} {item['chunks']}"
+        )
     print("\n  data files by rank:")
-    for rank, files in sorted(info["files"].items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)):
+    for rank, files in sorted(
+        info["files"].items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)
+    ):
         print(f"    rank {rank}: {len(files)} files, {_size(sum(f['bytes'] for f in files if f['bytes'] > 0))}")
     for key, st in (info.get("data_pipeline") or {}).items():
         if "error" in st:
             print(f"\n  data pipeline ({key}): unreadable: {st['error']}")
             continue
-        print(f"\n  data pipeline ({key}): epoch {st['epoch']}, {st['samples_consumed_in_epoch']} samples consumed, "
-              f"{st['samples_remaining_in_epoch']} remaining in {st['shards_with_remaining_work']} of {st['num_shards']} "
-              f"shards (seed {st['seed']})")
+        print(
+            f"\n  data pipeline ({key}): epoch {st['epoch']}, {st['samples_consumed_in_epoch']} samples consumed, "
+            f"{st['samples_remaining_in_epoch']} remaining in {st['shards_with_remaining_work']} of {st['num_shards']} "
+            f"shards (seed {st['seed']})"
+        )
     return 0
 
 
@@ -133,16 +141,27 @@ def _verify(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     if args.json:
-        _print_json({"location": report.location, "ok": report.ok, "files_checked": report.files_checked,
-                     "files_checksummed": report.files_checksummed, "bytes_checked": report.bytes_checked,
-                     "checksums": report.checksums, "problems": report.problems})
+        _print_json(
+            {
+                "location": report.location,
+                "ok": report.ok,
+                "files_checked": report.files_checked,
+                "files_checksummed": report.files_checksummed,
+                "bytes_checked": report.bytes_checked,
+                "checksums": report.checksums,
+                "problems": report.problems,
+            }
+        )
     else:
         for problem in report.problems:
             print(f"problem: {problem}", file=sys.stderr)
         n = len(report.problems)
         verdict = "OK" if report.ok else f"FAILED ({n} problem{'' if n == 1 else 's'})"
-        what = (f"{report.files_checksummed} checksummed ({_size(report.bytes_checked)} read)" if report.checksums
-                else "sizes only: no manifest, so no checksums")
+        what = (
+            f"{report.files_checksummed} checksummed ({_size(report.bytes_checked)} read)"
+            if report.checksums
+            else "sizes only: no manifest, so no checksums"
+        )
         print(f"{report.location}: {verdict}; {report.files_checked} data files checked, {what}")
     return 0 if report.ok else 1
 
@@ -151,8 +170,11 @@ def _gc(args: argparse.Namespace) -> int:
     from .garbage import DEFAULT_GRACE_S, collect_garbage
 
     report = collect_garbage(
-        _where(args, args.root), grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
-        staging_dir=args.staging_dir, include_staging=not args.no_staging, dry_run=args.dry_run,
+        _where(args, args.root),
+        grace_s=DEFAULT_GRACE_S if args.grace_s is None else args.grace_s,
+        staging_dir=args.staging_dir,
+        include_staging=not args.no_staging,
+        dry_run=args.dry_run,
     )
     if args.json:
         _print_json(vars(report))
@@ -164,16 +186,19 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"{verb} staging dir {path}")
     for url in report.spared_locations:
         print(f"spared {url} (recent files or unreadable .metadata)")
-    print(f"{verb} {len(report.deleted_files)} files ({report.deleted_bytes} bytes), "
-          f"{len(report.removed_staging_dirs)} staging dirs; aborted {report.aborted_uploads} multipart uploads")
+    print(
+        f"{verb} {len(report.deleted_files)} files ({report.deleted_bytes} bytes), "
+        f"{len(report.removed_staging_dirs)} staging dirs; aborted {report.aborted_uploads} multipart uploads"
+    )
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
     repo = Path(__file__).resolve().parent.parent
     if not (repo / "benchmarks" / "run.py").is_file():
-        raise _UserError("uc-checkpoint bench needs a source checkout (benchmarks/ beside the package); "
-                         "run ./scripts/bench.sh there")
+        raise _UserError(
+            "uc-checkpoint bench needs a source checkout (benchmarks/ beside the package); run ./scripts/bench.sh there"
+        )
     env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.call([sys.executable, "-m", "benchmarks.run", *args.bench_args], cwd=repo, env=env)
 
@@ -188,32 +213,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uc-checkpoint", description="Staged, crash-safe DCP checkpoints on volumes")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log progress (INFO) to stderr")
-    common.add_argument("-o", "--volume-option", action="append", metavar="KEY=VALUE",
-                        help="volume option, repeatable: S3Volume's (endpoint_url=..., addressing_style=path, "
-                             "checksums=False, ...) or an fsspec filesystem's storage options")
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress (INFO) to stderr"
+    )
+    common.add_argument(
+        "-o",
+        "--volume-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="volume option, repeatable: S3Volume's (endpoint_url=..., addressing_style=path, "
+        "checksums=False, ...) or an fsspec filesystem's storage options",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("ls", parents=[common], help="the checkpoints under a root: step, state, size, files, age")
     ls.add_argument("root", help="checkpoint root: path, s3://bucket/prefix or fsspec URL")
     ls.add_argument("--json", action="store_true", help="print JSON")
 
-    ins = sub.add_parser("inspect", parents=[common], help="one checkpoint's keys (dtype, shape, size), files per rank, data-pipeline state")
+    ins = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="one checkpoint's keys (dtype, shape, size), files per rank, data-pipeline state",
+    )
     ins.add_argument("checkpoint", help="checkpoint location: path or URL")
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.add_argument("--no-data-state", action="store_true", help="do not read the data-pipeline state item")
 
-    ver = sub.add_parser("verify", parents=[common], help="check every file of a checkpoint against its manifest (exit 1 on a problem)")
+    ver = sub.add_parser(
+        "verify", parents=[common], help="check every file of a checkpoint against its manifest (exit 1 on a problem)"
+    )
     ver.add_argument("checkpoint", help="checkpoint location: path or URL")
     ver.add_argument("--json", action="store_true", help="print JSON")
 
-    gc = sub.add_parser("gc", parents=[common], help="delete what failed saves left under a checkpoint root (older than a grace period)")
+    gc = sub.add_parser(
+        "gc", parents=[common], help="delete what failed saves left under a checkpoint root (older than a grace period)"
+    )
     gc.add_argument("root", help="checkpoint root (or one checkpoint location): path, s3://bucket/prefix or fsspec URL")
-    gc.add_argument("--grace-s", type=float, default=None,
-                    help="spare anything younger than this many seconds (default 21600 = 6 h)")
+    gc.add_argument(
+        "--grace-s",
+        type=float,
+        default=None,
+        help="spare anything younger than this many seconds (default 21600 = 6 h)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
-    gc.add_argument("--staging-dir", help="staging root to clean too (default: $UC_CHECKPOINT_STAGING_DIR or the temp dir)")
+    gc.add_argument(
+        "--staging-dir", help="staging root to clean too (default: $UC_CHECKPOINT_STAGING_DIR or the temp dir)"
+    )
     gc.add_argument("--no-staging", action="store_true", help="leave local staging directories alone")
     gc.add_argument("--json", action="store_true", help="print JSON")
 
@@ -235,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         args.bench_args = [*extra, *args.bench_args]  # every option belongs to benchmarks.run
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     handlers = {"ls": _ls, "inspect": _inspect, "verify": _verify, "gc": _gc, "bench": _bench}
     try:
         if args.command == "demo":

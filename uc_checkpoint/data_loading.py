@@ -180,12 +180,14 @@ class TrackedShardDataset(IterableDataset):
                 # Raised at the first item, not here: a persistent worker calls iter() outside the
                 # DataLoader's error forwarding and would die ("worker exited unexpectedly"), while
                 # an error from next() reaches the training loop as this DataLoadingError.
-                return _raising(DataLoadingError(
-                    f"data-loader worker {worker} cannot follow a DataTracker.load_global_state() made "
-                    "after it started (its copy of the tracker lacks the loaded work); restart the "
-                    "workers: TrackedDataLoader does so at the first iterator after a load, a loader of "
-                    "your own must not keep persistent workers across a load"
-                ))
+                return _raising(
+                    DataLoadingError(
+                        f"data-loader worker {worker} cannot follow a DataTracker.load_global_state() made "
+                        "after it started (its copy of the tracker lacks the loaded work); restart the "
+                        "workers: TrackedDataLoader does so at the first iterator after a load, a loader of "
+                        "your own must not keep persistent workers across a load"
+                    )
+                )
         return self._read(tracker, worker)
 
     def _read(self, tracker: DataTracker, worker: int) -> Iterator[_Tagged]:
@@ -295,8 +297,11 @@ def _describe_resume(tracker: DataTracker) -> list[str]:
         f"{s['samples_remaining']} remaining; {s['skipped_shards']} shards skipped "
         f"{s['skipped_names']}{' ...' if s['skipped_shards'] > len(s['skipped_names']) else ''}"
     ]
-    lines += [f"data tracker: rank {r} worker {w} seeks to sample {o} of {name!r}" for r, w, name, o in s["seeks"]
-              if r == tracker.rank]
+    lines += [
+        f"data tracker: rank {r} worker {w} seeks to sample {o} of {name!r}"
+        for r, w, name, o in s["seeks"]
+        if r == tracker.rank
+    ]
     return lines
 
 

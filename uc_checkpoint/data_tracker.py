@@ -540,7 +540,9 @@ class DataTracker:
         if restored and epoch == self._epoch:
             logger.info(
                 "data tracker: continuing restored epoch %d (%d samples left for rank %d)",
-                epoch, self.samples_left(), self._rank,
+                epoch,
+                self.samples_left(),
+                self._rank,
             )
             return
         left = self.samples_left()
@@ -549,7 +551,10 @@ class DataTracker:
         if left and (self._from_load or any(self._consumed)):
             logger.warning(
                 "data tracker: rank %d starts epoch %d leaving %d samples of epoch %d unread",
-                self._rank, epoch, left, self._epoch,
+                self._rank,
+                epoch,
+                left,
+                self._epoch,
             )
         self._set_work(epoch, self._whole_epoch(epoch))
         self._from_load = False
@@ -637,9 +642,7 @@ class DataTracker:
         left_per_shard = [0] * len(self._shards)
         for iv in self._base:
             left_per_shard[iv.shard] += iv.size
-        skipped = [
-            s.name for i, s in enumerate(self._shards) if s.num_samples and left_per_shard[i] == 0
-        ]
+        skipped = [s.name for i, s in enumerate(self._shards) if s.num_samples and left_per_shard[i] == 0]
         partial = [
             [s.name, s.num_samples - left_per_shard[i], s.num_samples]
             for i, s in enumerate(self._shards)
@@ -742,9 +745,7 @@ class DataTracker:
             TrackerStateError: a gathered local state is malformed or from another assignment.
         """
         consumed = self._gather(local_states)
-        remaining = _coalesce(
-            iv for c, piece in enumerate(self._slices) for iv in _drop_prefix(piece, consumed[c])
-        )
+        remaining = _coalesce(iv for c, piece in enumerate(self._slices) for iv in _drop_prefix(piece, consumed[c]))
         left = sum(iv.size for iv in remaining)
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
@@ -866,13 +867,17 @@ class DataTracker:
                 "data tracker: dataset changed since the checkpoint (%s); continuing epoch %d with the "
                 "saved remaining work: %d samples dropped (shards removed or shrunk), %d kept; shards and "
                 "samples added since are read from the next epoch on",
-                diff, epoch, dropped, sum(iv.size for iv in remaining),
+                diff,
+                epoch,
+                dropped,
+                sum(iv.size for iv in remaining),
             )
 
         if seed != self._seed:
             logger.warning(
                 "data tracker: the checkpoint's shard-order seed %d replaces the configured seed %d",
-                seed, self._seed,
+                seed,
+                self._seed,
             )
             self._seed = seed
         self._set_work(epoch, remaining)
@@ -880,9 +885,12 @@ class DataTracker:
         self._from_load = True
         self._load_count += 1
         logger.info(
-            "data tracker: rank %d restored epoch %d, %d samples remaining, split over %d consumers "
-            "(%d for this rank)",
-            self._rank, epoch, sum(iv.size for iv in self._base), self.num_consumers, self.samples_left(),
+            "data tracker: rank %d restored epoch %d, %d samples remaining, split over %d consumers (%d for this rank)",
+            self._rank,
+            epoch,
+            sum(iv.size for iv in self._base),
+            self.num_consumers,
+            self.samples_left(),
         )
 
     # ------------------------------------------------------------------ loading helpers
@@ -898,19 +906,13 @@ class DataTracker:
             )
         out: list[tuple[str, int]] = []
         for i, item in enumerate(raw):
-            if (
-                not isinstance(item, (list, tuple))
-                or len(item) != 2
-                or not isinstance(item[0], str)
-            ):
+            if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
                 raise TrackerStateError(f"data tracker state: shards[{i}] is {item!r}, not [name, num_samples]")
             out.append((item[0], _state_int(item[1], f"shards[{i}] ({item[0]!r}) num_samples", minimum=0)))
         return out
 
     @staticmethod
-    def _parse_remaining(
-        raw: Any, num_shards: int, saved_shards: list[tuple[str, int]] | None
-    ) -> list[Interval]:
+    def _parse_remaining(raw: Any, num_shards: int, saved_shards: list[tuple[str, int]] | None) -> list[Interval]:
         if not isinstance(raw, list):
             raise TrackerStateError(
                 f"data tracker state: 'remaining' must be a list of [shard, start, end], got {type(raw).__name__}"
@@ -921,8 +923,7 @@ class DataTracker:
             if not isinstance(item, (list, tuple)) or len(item) != 3:
                 raise TrackerStateError(f"data tracker state: bad remaining interval remaining[{i}] = {item!r}")
             shard, start, end = (
-                _state_int(v, f"remaining[{i}] {name}", minimum=0)
-                for v, name in zip(item, ("shard", "start", "end"))
+                _state_int(v, f"remaining[{i}] {name}", minimum=0) for v, name in zip(item, ("shard", "start", "end"))
             )
             if end < start:
                 raise TrackerStateError(
@@ -972,6 +973,7 @@ class DataTracker:
                 old = saved_shards[i] if i < len(saved_shards) else None
                 new = current[i] if i < len(current) else None
                 if old != new:
+
                     def show(entry: tuple[str, int] | None) -> str:
                         return "no shard" if entry is None else f"{entry[0]!r} ({entry[1]} samples)"
 
@@ -1003,7 +1005,9 @@ class DataTracker:
                 seen[name] = seen.get(name, 0) + 1
             target = [index_of.get(k) for k in saved_key]
         else:
-            target = [i if i < len(self._shards) else None for i in range(max((iv.shard for iv in remaining), default=-1) + 1)]
+            target = [
+                i if i < len(self._shards) else None for i in range(max((iv.shard for iv in remaining), default=-1) + 1)
+            ]
         kept: list[Interval] = []
         dropped = 0
         for iv in remaining:

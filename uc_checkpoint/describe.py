@@ -38,7 +38,9 @@ def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -
         if name not in files:
             out[name] = f"{location.describe(name)} is missing"
         elif (want is not None and files[name] != want) or files[name] < least:
-            out[name] = f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
+            out[name] = (
+                f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
+            )
     return out
 
 
@@ -89,7 +91,9 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
     """
     volume = root if isinstance(root, Volume) else open_volume(root)
     if isinstance(volume, LocalVolume) and not volume.root.is_dir():
-        raise VolumeError(f"checkpoint root {volume.url} " + ("is not a directory" if volume.root.exists() else "does not exist"))
+        raise VolumeError(
+            f"checkpoint root {volume.url} " + ("is not a directory" if volume.root.exists() else "does not exist")
+        )
     now = time.time()
     out = []
     for step, name, published in list_checkpoints(volume):
@@ -111,11 +115,18 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
             except CheckpointNotFoundError:
                 published = False  # unpublished (retention, a re-save) since it was listed
         state = "incomplete" if not published else ("abandoned" if abandoned else "broken" if problem else "complete")
-        out.append(CheckpointSummary(
-            step=step, name=name, location=location.url, state=state, bytes=sum(files.values()),
-            files=sum(1 for n in files if n.endswith(".distcp")),
-            age_s=(now - max(mtimes.values())) if mtimes else None, problem=problem,
-        ))
+        out.append(
+            CheckpointSummary(
+                step=step,
+                name=name,
+                location=location.url,
+                state=state,
+                bytes=sum(files.values()),
+                files=sum(1 for n in files if n.endswith(".distcp")),
+                age_s=(now - max(mtimes.values())) if mtimes else None,
+                problem=problem,
+            )
+        )
     return out
 
 
@@ -140,8 +151,16 @@ def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> d
             for d in md.size:
                 numel *= d
             itemsize = md.properties.dtype.itemsize if hasattr(md.properties.dtype, "itemsize") else 0
-            items.append({"key": key, "kind": "tensor", "dtype": str(md.properties.dtype).replace("torch.", ""),
-                          "shape": list(md.size), "bytes": numel * itemsize, "chunks": len(md.chunks)})
+            items.append(
+                {
+                    "key": key,
+                    "kind": "tensor",
+                    "dtype": str(md.properties.dtype).replace("torch.", ""),
+                    "shape": list(md.size),
+                    "bytes": numel * itemsize,
+                    "chunks": len(md.chunks),
+                }
+            )
         elif isinstance(md, BytesStorageMetadata):
             items.append({"key": key, "kind": "bytes", "dtype": None, "shape": None, "bytes": None, "chunks": 1})
     manifest = manifest_of(metadata) or {}
@@ -155,8 +174,12 @@ def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> d
         m = _RANK_OF_FILE.match(name)
         files.setdefault(m.group(1) if m else "?", []).append({"name": name, "bytes": sizes[name]})
     out: dict[str, Any] = {
-        "location": volume.url, "save_id": manifest.get("save_id"), "saved_by": manifest.get("saved_by"),
-        "items": items, "files": files, "total_bytes": sum(s for s in sizes.values() if s > 0),
+        "location": volume.url,
+        "save_id": manifest.get("save_id"),
+        "saved_by": manifest.get("saved_by"),
+        "items": items,
+        "files": files,
+        "total_bytes": sum(s for s in sizes.values() if s > 0),
     }
     if data_state:
         out["data_pipeline"] = _data_pipeline_states(volume, items)
@@ -179,9 +202,11 @@ def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[s
             state = json.loads(target[key])
             remaining = sum(end - start for _shard, start, end in state.get("remaining", []))
             out[key] = {
-                "epoch": state.get("epoch"), "seed": state.get("seed"),
+                "epoch": state.get("epoch"),
+                "seed": state.get("seed"),
                 "samples_consumed_in_epoch": state.get("samples_consumed_in_epoch"),
-                "samples_remaining_in_epoch": remaining, "num_shards": state.get("num_shards"),
+                "samples_remaining_in_epoch": remaining,
+                "num_shards": state.get("num_shards"),
                 "shards_with_remaining_work": len({s for s, _a, _b in state.get("remaining", [])}),
                 "fingerprint": state.get("fingerprint"),
             }

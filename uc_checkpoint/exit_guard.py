@@ -60,8 +60,9 @@ class SaveTicket:
         if error is not None and self.error is None:
             self.error = error
             if self.background:
-                logger.error("checkpoint save to %s failed in the background: %s: %s", self.what,
-                             type(error).__name__, error)
+                logger.error(
+                    "checkpoint save to %s failed in the background: %s: %s", self.what, type(error).__name__, error
+                )
         self._ended.set()
 
     def over(self) -> bool:
@@ -119,8 +120,11 @@ def _dcp_async_saves() -> list[threading.Thread]:
     from torch.distributed.checkpoint import _async_thread_executor
 
     me = threading.current_thread()
-    return [t for t in threading.enumerate()
-            if t is not me and t.is_alive() and _in_file(t, _async_thread_executor.__file__)]
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not me and t.is_alive() and _in_file(t, _async_thread_executor.__file__)
+    ]
 
 
 class _ExitGuard:
@@ -173,8 +177,11 @@ class _ExitGuard:
         if not tickets and not futures:
             return
         names = sorted({t.what for t in tickets} | {w for _f, w in futures})
-        logger.warning("interpreter exiting: waiting for %d checkpoint save(s) in flight to finish, to %s",
-                       len(names), ", ".join(names))
+        logger.warning(
+            "interpreter exiting: waiting for %d checkpoint save(s) in flight to finish, to %s",
+            len(names),
+            ", ".join(names),
+        )
         for ticket in tickets:
             ticket.wait()
         # A failed background save has logged its error already; a foreground one raised it.
@@ -184,9 +191,13 @@ class _ExitGuard:
                 fut.result()
             except BaseException as exc:  # noqa: BLE001 - reported below; nobody else will see it
                 failed.setdefault(what, exc)
-        for what, exc in failed.items():
-            logger.error("checkpoint save to %s, in flight at interpreter exit, failed: %s: %s",
-                         what, type(exc).__name__, exc)
+        for what, error in failed.items():
+            logger.error(
+                "checkpoint save to %s, in flight at interpreter exit, failed: %s: %s",
+                what,
+                type(error).__name__,
+                error,
+            )
         if not failed:
             logger.info("checkpoint saves in flight at exit finished, to %s", ", ".join(names))
 

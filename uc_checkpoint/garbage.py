@@ -153,7 +153,9 @@ def collect_garbage(
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
     volume = root if isinstance(root, Volume) else open_volume(root)
     if isinstance(volume, LocalVolume) and not volume.root.is_dir():
-        raise VolumeError(f"gc root {volume.url} is not a directory" + ("" if volume.root.exists() else " (it does not exist)"))
+        raise VolumeError(
+            f"gc root {volume.url} is not a directory" + ("" if volume.root.exists() else " (it does not exist)")
+        )
     cutoff = time.time() - grace_s
     report = GCReport(dry_run=dry_run)
     root_files = volume.list_files()
@@ -171,8 +173,13 @@ def collect_garbage(
         _collect_staging(Path(staging_dir) if staging_dir is not None else default_staging_root(), cutoff, report)
     logger.info(
         "gc %s: %s %d files (%d bytes), aborted %d uploads, %d staging dirs; spared %d locations",
-        volume.url, "would delete" if dry_run else "deleted", len(report.deleted_files), report.deleted_bytes,
-        report.aborted_uploads, len(report.removed_staging_dirs), len(report.spared_locations),
+        volume.url,
+        "would delete" if dry_run else "deleted",
+        len(report.deleted_files),
+        report.deleted_bytes,
+        report.aborted_uploads,
+        len(report.removed_staging_dirs),
+        len(report.spared_locations),
     )
     return report
 

@@ -99,7 +99,7 @@ def _storage_layout(raw: bytes, nbytes: int) -> tuple[int, int, tuple[int, ...]]
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def _fast_eligible(t: torch.Tensor) -> bool:
@@ -168,7 +168,9 @@ class ItemCodec:
         try:
             back = torch.load(io.BytesIO(self._fill(template, sample)), map_location="cpu", weights_only=True)
             ok = (
-                type(back) is torch.Tensor and back.dtype == dtype and tuple(back.shape) == shape
+                type(back) is torch.Tensor
+                and back.dtype == dtype
+                and tuple(back.shape) == shape
                 and bytes(_raw_bytes(back.contiguous())) == bytes(_raw_bytes(sample))
             )
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use this template

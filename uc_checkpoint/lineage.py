@@ -34,8 +34,12 @@ def abandonment_marker(save_id: str | None, abandoned_by_step: int, resumed_from
     whatever is published there), the step whose save abandoned it, the step that run had resumed
     from (None when unknown), and who wrote it (host, pid, Unix time)."""
     body = {
-        "save_id": save_id, "abandoned_by_step": abandoned_by_step, "resumed_from": resumed_from,
-        "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+        "save_id": save_id,
+        "abandoned_by_step": abandoned_by_step,
+        "resumed_from": resumed_from,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),
     }
     return (json.dumps(body) + "\n").encode()
 
@@ -105,5 +109,10 @@ def retention_plan(
 
 
 __all__ = [
-    "abandonment_marker", "describe_marker", "marker_applies", "newer_published", "parse_marker", "retention_plan",
+    "abandonment_marker",
+    "describe_marker",
+    "marker_applies",
+    "newer_published",
+    "parse_marker",
+    "retention_plan",
 ]

@@ -16,6 +16,7 @@ data files and, once complete, ``.metadata``) and a ``latest`` pointer file for 
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -33,11 +34,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from . import exit_guard, layout, lineage
 from .checkpoints import checkpoint_name, list_checkpoints
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, VolumeError, one_line
 from .describe import missing_or_short
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, VolumeError, one_line
 from .layout import ABANDONED_NAME, METADATA_NAME
-from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
 from .reader import UCVolumeReader
+from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
 from .volumes import Volume, open_volume
 from .writer import UCVolumeWriter
 
@@ -173,10 +174,8 @@ class CheckpointManager:
         if self._groups is None:
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             self._groups = (
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                               group_desc="uc_checkpoint_save"),
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                               group_desc="uc_checkpoint_agree"),
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_save"),
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_agree"),
             )
         return self._groups
 
@@ -230,19 +229,26 @@ class CheckpointManager:
                 # Throttling and network errors (already retried by the store's client). A missing
                 # bucket or a root that is a file is a VolumeError and not worth retrying.
                 if attempt == self.list_attempts:
-                    raise VolumeError(
-                        f"cannot {what} under {self.root.url} after {attempt} attempts: {exc}"
-                    ) from exc
-                logger.warning("checkpoint manager: %s under %s failed (attempt %d of %d), retrying in %.1f s: %s",
-                               what, self.root.url, attempt, self.list_attempts, delay, exc)
+                    raise VolumeError(f"cannot {what} under {self.root.url} after {attempt} attempts: {exc}") from exc
+                logger.warning(
+                    "checkpoint manager: %s under %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                    what,
+                    self.root.url,
+                    attempt,
+                    self.list_attempts,
+                    delay,
+                    exc,
+                )
                 time.sleep(delay)
                 delay = min(2 * delay, 10.0)
         raise AssertionError("unreachable")
 
-    def _list_local(self) -> list[CheckpointInfo]:
-        return [CheckpointInfo(s, n, p) for s, n, p in self._retry("list checkpoints", lambda: list_checkpoints(self.root))]
+    def _list_local(self) -> builtins.list[CheckpointInfo]:
+        return [
+            CheckpointInfo(s, n, p) for s, n, p in self._retry("list checkpoints", lambda: list_checkpoints(self.root))
+        ]
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Every step location under the root, oldest first (published or not).
 
         Raises:
@@ -343,7 +349,7 @@ class CheckpointManager:
         try:
             if self.async_save:
                 mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-                fut: Future = dcp.async_save(
+                fut: Future = dcp.async_save(  # type: ignore[assignment]  # a Future: our writer stages synchronously
                     state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode
                 )
             else:
@@ -380,7 +386,7 @@ class CheckpointManager:
             exit_guard.watch_future(done, location.url)
         return done
 
-    def _check_rollback(self, step: int) -> list[int]:
+    def _check_rollback(self, step: int) -> builtins.list[int]:
         """Rank 0, before this manager's first save: mark the published steps above ``step`` as
         abandoned, and take back the step this manager resumed from if it was abandoned; returns
         the steps abandoned now."""
@@ -396,8 +402,11 @@ class CheckpointManager:
                 except TransferError as exc:  # a mount that refuses deletes: newer saves win anyway
                     logger.warning("checkpoint manager: could not take back step %d (%s)", resumed, exc)
                 else:
-                    logger.warning("checkpoint manager: step %d, abandoned by an earlier rollback, was loaded and "
-                                   "is saved from: it is part of the run's line again", resumed)
+                    logger.warning(
+                        "checkpoint manager: step %d, abandoned by an earlier rollback, was loaded and "
+                        "is saved from: it is part of the run's line again",
+                        resumed,
+                    )
         newer = lineage.newer_published([i.step for i in infos if i.published], step)
         marked = []
         for old in newer:
@@ -411,24 +420,40 @@ class CheckpointManager:
                 continue  # broken or gone: latest() skips it anyway
             self._abandoned.add(old)
             if location.size(ABANDONED_NAME) is not None and lineage.marker_applies(
-                    location.read_bytes(ABANDONED_NAME), manifest):
+                location.read_bytes(ABANDONED_NAME), manifest
+            ):
                 continue  # an earlier rollback's marker still says so (and some mounts refuse rewrites)
-            location.publish_bytes(ABANDONED_NAME, lineage.abandonment_marker((manifest or {}).get("save_id"), step, resumed),
-                                   overwrite=True)
+            location.publish_bytes(
+                ABANDONED_NAME,
+                lineage.abandonment_marker((manifest or {}).get("save_id"), step, resumed),
+                overwrite=True,
+            )
             marked.append(old)
         if marked:
             logger.warning(
                 "checkpoint manager: saving step %d under %s, below published step(s) %s: treating this as a "
                 "rollback. Those checkpoints are now an abandoned branch (a %s file in each): latest() skips "
                 "them and retention deletes them first. To return to one, load it with load(state, step=N) "
-                "and save from it.", step, self.root.url, marked, ABANDONED_NAME)
+                "and save from it.",
+                step,
+                self.root.url,
+                marked,
+                ABANDONED_NAME,
+            )
         return marked
 
     def _record(self, event: SaveEvent, mlflow_run_id: str | None) -> None:
         self.last_save = event
         if event.ok:
-            logger.info("checkpoint step %d: %s bytes in %s files to %s; blocked %.3f s, published after %.3f s",
-                        event.step, event.bytes, event.files, event.location, event.blocked_s, event.publish_s)
+            logger.info(
+                "checkpoint step %d: %s bytes in %s files to %s; blocked %.3f s, published after %.3f s",
+                event.step,
+                event.bytes,
+                event.files,
+                event.location,
+                event.blocked_s,
+                event.publish_s,
+            )
         elif self.async_save:
             # Raised again by the next save() or wait(), but a script may never call either.
             logger.error("checkpoint step %d: the save to %s failed: %s", event.step, event.location, event.error)
@@ -465,8 +490,9 @@ class CheckpointManager:
         try:
             return fn()
         except Exception:  # noqa: BLE001 - logged with its traceback; the other steps still run
-            logger.exception("checkpoint manager: after publishing step %d under %s: %s failed",
-                             step, self.root.url, what)
+            logger.exception(
+                "checkpoint manager: after publishing step %d under %s: %s failed", step, self.root.url, what
+            )
             return None
 
     def write_latest_pointer(self, step: int) -> None:
@@ -487,7 +513,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
 
-    def prune(self, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    def prune(self, protect: set[int] | frozenset[int] = frozenset()) -> builtins.list[int]:
         """Delete published checkpoints beyond the retention policy; returns the deleted steps.
 
         Kept: the ``keep_last`` newest published checkpoints, steps that are multiples of
@@ -501,7 +527,7 @@ class CheckpointManager:
         """
         return self._prune(self._list_local(), protect)
 
-    def _prune(self, infos: list[CheckpointInfo], protect: set[int] | frozenset[int]) -> list[int]:
+    def _prune(self, infos: builtins.list[CheckpointInfo], protect: set[int] | frozenset[int]) -> builtins.list[int]:
         if self.keep_last is None:
             return []
         published = [i for i in infos if i.published]
@@ -514,16 +540,25 @@ class CheckpointManager:
         for info in published:
             if above is not None and info.step > above and info.step not in self._abandoned:
                 self._problem(info)  # records the step as abandoned when its marker applies
-        plan = lineage.retention_plan([(i.step, i.step in self._abandoned) for i in published],
-                                      keep_last=self.keep_last, keep_every=self.keep_every, protect=keep)
+        plan = lineage.retention_plan(
+            [(i.step, i.step in self._abandoned) for i in published],
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            protect=keep,
+        )
         by_step = {i.step: i for i in published}
         deleted = []
         for step in plan:
             self._delete_checkpoint(by_step[step])
             deleted.append(step)
         if deleted:
-            logger.info("checkpoint manager: deleted checkpoints %s under %s (keep_last=%s, keep_every=%s)",
-                        deleted, self.root.url, self.keep_last, self.keep_every)
+            logger.info(
+                "checkpoint manager: deleted checkpoints %s under %s (keep_last=%s, keep_every=%s)",
+                deleted,
+                self.root.url,
+                self.keep_last,
+                self.keep_every,
+            )
         return deleted
 
     def _delete_checkpoint(self, info: CheckpointInfo) -> None:
@@ -590,11 +625,16 @@ class CheckpointManager:
                 landed = True
             except FutureTimeout:
                 self._inflight = inflight
-                logger.error("checkpoint manager: the save of step %d did not finish within %.0f s; no final save",
-                             inflight[0], budget_s)
+                logger.error(
+                    "checkpoint manager: the save of step %d did not finish within %.0f s; no final save",
+                    inflight[0],
+                    budget_s,
+                )
                 return False
             except Exception as exc:  # noqa: BLE001 - the final save below supersedes it
-                logger.warning("checkpoint manager: the save of step %d failed (%s); taking the final save", inflight[0], exc)
+                logger.warning(
+                    "checkpoint manager: the save of step %d failed (%s); taking the final save", inflight[0], exc
+                )
         if landed and inflight is not None and inflight[0] == step:
             return True  # this step is already saved
         started = time.monotonic()
@@ -606,7 +646,9 @@ class CheckpointManager:
         self.wait()
         took = time.monotonic() - started
         if time.monotonic() > deadline:
-            logger.warning("checkpoint manager: final save of step %d took %.1f s, past the %.0f s budget", step, took, budget_s)
+            logger.warning(
+                "checkpoint manager: final save of step %d took %.1f s, past the %.0f s budget", step, took, budget_s
+            )
         else:
             logger.info("checkpoint manager: final save of step %d published in %.1f s", step, took)
         return True
@@ -634,7 +676,6 @@ class CheckpointManager:
 
 
 __all__ = ["POINTER_NAME", "CheckpointInfo", "CheckpointManager"]
-
 
 
 def _save_event(step: int, location: str, blocked_s: float, started: float, fut: Future) -> SaveEvent:

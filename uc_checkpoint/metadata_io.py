@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import math
 import pickle
 import re
 from collections.abc import Mapping
@@ -69,8 +68,11 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
         # FileSystemWriter stores its path (a pathlib.Path) as StorageMeta.checkpoint_id. Python 3.13
         # pickles the classes as pathlib._local.*.
-        *((module, cls) for module in ("pathlib", "pathlib._local")
-          for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+        *(
+            (module, cls)
+            for module in ("pathlib", "pathlib._local")
+            for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+        ),
     }
 )
 
@@ -245,6 +247,13 @@ def check_metadata(metadata: Metadata, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: the file manifest is malformed: {type(exc).__name__}: {exc}") from exc
 
 
+def _numel(sizes: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for d in sizes:
+        n *= d
+    return n
+
+
 def _check_items(metadata: Metadata, storage: Mapping[Any, Any], where: str) -> None:
     """Every item of ``state_dict_metadata`` is well-formed, and what a load would write is whole:
     each tensor's chunks lie inside it and tile it exactly once (a chunk shrunk by one flipped byte
@@ -285,8 +294,10 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: Mapping[Any, Any
     total = 0
     for chunk in md.chunks:
         offsets, sizes = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
-        if len(offsets) != len(size) or len(sizes) != len(size) or not all(
-            isinstance(v, int) and v >= 0 for v in (*offsets, *sizes)
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or not all(isinstance(v, int) and v >= 0 for v in (*offsets, *sizes))
         ):
             raise bad(f"has a malformed chunk (offsets {offsets!r}, sizes {sizes!r}) for size {size}")
         if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
@@ -294,17 +305,19 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: Mapping[Any, Any
         info = storage.get(MetadataIndex(fqn, offsets))
         if info is None:
             raise bad(f"has no storage entry for its chunk at {offsets}")
-        volume = math.prod(sizes)
+        volume = _numel(sizes)
         if info.length < volume * itemsize:
-            raise bad(f"chunk at {offsets} is stored in {info.length} bytes, fewer than its {volume * itemsize} bytes of data")
+            raise bad(
+                f"chunk at {offsets} is stored in {info.length} bytes, fewer than its {volume * itemsize} bytes of data"
+            )
         boxes.append((offsets, sizes))
         total += volume
-    if total != math.prod(size):
-        raise bad(f"has chunks covering {total} elements, its size {size} has {math.prod(size)}")
+    if total != _numel(size):
+        raise bad(f"has chunks covering {total} elements, its size {size} has {_numel(size)}")
     if len(boxes) <= _MAX_PAIRWISE_CHUNKS:
         for i, (oa, sa) in enumerate(boxes):
             for ob, sb in boxes[i + 1 :]:
-                if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb)) and math.prod(sa) and math.prod(sb):
+                if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb)) and _numel(sa) and _numel(sb):
                     raise bad(f"has overlapping chunks at {oa} and {ob}")
 
 

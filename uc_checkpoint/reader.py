@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -65,7 +65,7 @@ class _LoadSession(Session):
     chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
 
 
-class UCVolumeReader(SessionOwner, FileSystemReader):
+class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # rank: property over attribute
     """DCP storage reader for a checkpoint written to a volume by :class:`UCVolumeWriter` (or by
     DCP's own ``FileSystemWriter`` on a local path).
 
@@ -158,7 +158,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
 
     # FileSystemReader keeps these on the object; here they belong to the load (sessions.py).
     @property
-    def storage_data(self) -> dict[Any, _StorageInfo]:  # type: ignore[override]
+    def storage_data(self) -> dict[Any, _StorageInfo]:
         return self._load.storage_data
 
     @storage_data.setter
@@ -166,15 +166,15 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
         self._load.storage_data = value
 
     @property
-    def load_id(self) -> str:  # type: ignore[override]
+    def load_id(self) -> str:
         return self._load.load_id
 
     @load_id.setter
     def load_id(self, value: str) -> None:
         self._load.load_id = value
 
-    @property
-    def path(self) -> None:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def path(self) -> None:
         return None  # FileSystemReader's; every read goes through the volume
 
     @path.setter
@@ -254,13 +254,23 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
             nfiles, nbytes = self._read_ranges(volume, plan, planner, rank, codec)
         else:
             nfiles, nbytes = self._read_files(volume, plan, planner, rank, codec)
-        logger.debug("%d of %d tensor items decoded through templates", codec.fast_decoded,
-                     sum(1 for item in plan.items if item.type != LoadItemType.BYTE_IO))
+        logger.debug(
+            "%d of %d tensor items decoded through templates",
+            codec.fast_decoded,
+            sum(1 for item in plan.items if item.type != LoadItemType.BYTE_IO),
+        )
         elapsed = time.perf_counter() - started
         # Reads and deserialisation overlap: the transfer time is the whole read step.
         self.last_record = TransferRecord(
-            op="load", location=volume.url, rank=rank, bytes=nbytes, files=nfiles, total_s=elapsed,
-            staging_s=0.0, transfer_s=elapsed, retries=volume.retries - retries_before,
+            op="load",
+            location=volume.url,
+            rank=rank,
+            bytes=nbytes,
+            files=nfiles,
+            total_s=elapsed,
+            staging_s=0.0,
+            transfer_s=elapsed,
+            retries=volume.retries - retries_before,
         )
         logger.info("%s (%s)", self.last_record.describe(), "ranges" if ranged else "whole files")
         fut_done: Future[None] = Future()
@@ -282,8 +292,12 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
         def fetch(name: str) -> FileRecord:
             # Sizes are checked before a byte is read, and nothing past them is read.
             expected = load.records.get(name)
-            record = volume.download_file(name, cache / name, expected_size=None if expected is None else expected.size,
-                                          min_size=load.min_sizes.get(name, 0))
+            record = volume.download_file(
+                name,
+                cache / name,
+                expected_size=None if expected is None else expected.size,
+                min_size=load.min_sizes.get(name, 0),
+            )
             self._verify_file(volume, record, load)
             return record
 
@@ -392,7 +406,12 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
             self._load_item(volume, item, info, data[lo : lo + info.length], planner, codec)
 
     def _load_item(
-        self, volume: Volume, req: ReadItem, info: _StorageInfo, data: memoryview, planner: LoadPlanner,
+        self,
+        volume: Volume,
+        req: ReadItem,
+        info: _StorageInfo,
+        data: memoryview,
+        planner: LoadPlanner,
         codec: ItemCodec,
     ) -> None:
         """Deserialise one item from its bytes and hand it to the planner, as DCP's
@@ -416,7 +435,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):
             raise CorruptCheckpointError(f"{where}: {exc}") from exc
         try:
             if tensor is None:
-                tensor = torch.load(_MemoryReader(data), map_location="cpu", weights_only=True)
+                tensor = torch.load(cast(IO[bytes], _MemoryReader(data)), map_location="cpu", weights_only=True)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         except Exception as exc:  # not a tensor archive, or not the chunk the metadata describes
             raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
@@ -474,4 +493,3 @@ class _MemoryReader(io.RawIOBase):
         memoryview(b).cast("B")[:n] = chunk
         self._pos += n
         return n
-

@@ -50,9 +50,11 @@ class TransferRecord:
 
     def describe(self) -> str:
         verb = "to" if self.op == "save" else "from"
-        return (f"{self.op} rank {self.rank}: {self.files} files, {self.bytes} bytes {verb} {self.location} in "
-                f"{self.total_s:.3f} s ({self.throughput_mb_s:.1f} MB/s; staging {self.staging_s:.3f} s, "
-                f"transfers {self.transfer_s:.3f} s, {self.retries} retries)")
+        return (
+            f"{self.op} rank {self.rank}: {self.files} files, {self.bytes} bytes {verb} {self.location} in "
+            f"{self.total_s:.3f} s ({self.throughput_mb_s:.1f} MB/s; staging {self.staging_s:.3f} s, "
+            f"transfers {self.transfer_s:.3f} s, {self.retries} retries)"
+        )
 
 
 @dataclass

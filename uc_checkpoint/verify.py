@@ -10,9 +10,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .describe import file_problems
 from .errors import CorruptCheckpointError
 from .integrity import Digest, FileRecord
-from .describe import file_problems
 from .layout import manifest_of, manifest_records, referenced_files
 from .reader import UCVolumeReader
 from .volumes import Volume, open_volume
@@ -117,8 +117,13 @@ def verify_checkpoint(
                 raise
     finally:
         volume.close()
-    logger.info("verify %s: %d files, %d bytes, %d problems", volume.url, report.files_checked,
-                report.bytes_checked, len(report.problems))
+    logger.info(
+        "verify %s: %d files, %d bytes, %d problems",
+        volume.url,
+        report.files_checked,
+        report.bytes_checked,
+        len(report.problems),
+    )
     return report
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import math
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,8 @@ from torch.futures import Future
 from . import exit_guard, layout, metadata_io
 from .errors import (
     CheckpointExistsError,
-    LocationNotEmptyError,
     ConcurrentSaveError,
+    LocationNotEmptyError,
     StagingError,
     TransferError,
     UCCheckpointError,
@@ -80,7 +81,7 @@ from .volumes import FileRecord, Volume
 try:  # the version string DCP stamps into .metadata
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
-    CURRENT_DCP_VERSION = "1.0.0"
+    CURRENT_DCP_VERSION = "1.0.0"  # type: ignore[misc]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def auto_file_size(rank_bytes: int) -> int:
     """Target size in bytes of one data file for a rank saving ``rank_bytes`` bytes: about
     ``rank_bytes / AUTO_FILES_PER_RANK``, clamped to [16 MiB, 256 MiB]."""
     return min(MAX_AUTO_FILE_SIZE, max(MIN_AUTO_FILE_SIZE, -(-rank_bytes // AUTO_FILES_PER_RANK)))
+
 
 # Incomplete multipart uploads younger than this (seconds) may belong to a save still running.
 _LIVE_UPLOAD_S = 3600.0
@@ -151,7 +153,7 @@ class _StagingFileSystem(FileSystem):
         self.on_file_written: Callable[[Path], None] | None = None
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[IO[bytes]]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         with super().create_stream(path, mode) as stream:
             yield stream
         callback = self.on_file_written
@@ -219,8 +221,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     ) -> None:
         if not isinstance(path, (str, os.PathLike, Volume)):
             raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
-        for arg, value in (("upload_workers", upload_workers), ("thread_count", thread_count),
-                           ("file_size_bytes", 1 if file_size_bytes is None else file_size_bytes)):
+        for arg, value in (
+            ("upload_workers", upload_workers),
+            ("thread_count", thread_count),
+            ("file_size_bytes", 1 if file_size_bytes is None else file_size_bytes),
+        ):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
         if upload_workers < 1:
@@ -257,7 +262,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     # FileSystemWriter keeps these on the object; here they belong to the save (sessions.py).
     @property
-    def save_id(self) -> str:  # type: ignore[override]
+    def save_id(self) -> str:
         return self._save.save_id
 
     @save_id.setter
@@ -268,8 +273,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     def is_coordinator(self) -> bool:
         return self._save.is_coordinator
 
-    @property
-    def path(self) -> Path | None:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def path(self) -> Path | None:
         """This save's staging directory, where DCP's serialiser writes (None outside write_data)."""
         return self._save.staging
 
@@ -432,8 +437,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
                 errors.append(exc)
 
-        threads = [threading.Thread(target=work, name=f"uc-serialise-{i}", daemon=True)
-                   for i in range(1, self.thread_count)]
+        threads = [
+            threading.Thread(target=work, name=f"uc-serialise-{i}", daemon=True) for i in range(1, self.thread_count)
+        ]
         for t in threads:
             t.start()
         work()
@@ -445,7 +451,12 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         return results
 
     def _serialise_file(
-        self, path: Path, storage_key: str, items: list[Any], planner: SavePlanner, codec: ItemCodec,
+        self,
+        path: Path,
+        storage_key: str,
+        items: list[Any],
+        planner: SavePlanner,
+        codec: ItemCodec,
         fs: _StagingFileSystem,
     ) -> list[WriteResult]:
         # As DCP's writer: accelerator tensors of a synchronous save are copied to the CPU a little
@@ -463,7 +474,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     offset = stream.tell()
-                    stream.write(planner.resolve_data(item).getbuffer())
+                    stream.write(cast(io.BytesIO, planner.resolve_data(item)).getbuffer())
                     out.append(_write_result(item, storage_key, offset, stream.tell() - offset))
             for tensor, item in loader.values():
                 offset = stream.tell()
@@ -473,7 +484,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            fut = self._write_data(plan, planner)
+            fut = self._write_rank_data(plan, planner)
         except BaseException as exc:
             self._end_save(exc)
             raise
@@ -481,7 +492,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             self._end_save()  # what is left on this rank is DCP's collectives, which need no pools
         return fut
 
-    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         volume = self.volume
         staging = create_staging_dir(self._staging_path())
         self._save.staging = staging
@@ -497,8 +508,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             spans.append((t0, time.perf_counter()))
             if record.size != staged_size:
                 raise TransferError(
-                    f"{volume.describe(local.name)} was uploaded with {record.size} bytes, "
-                    f"{local} has {staged_size}"
+                    f"{volume.describe(local.name)} was uploaded with {record.size} bytes, {local} has {staged_size}"
                 )
             local.unlink()  # free staging space as soon as the file is safe on the volume
             return record
@@ -546,8 +556,13 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                 )
             )
         self.last_record = TransferRecord(
-            op="save", location=volume.url, rank=self._rank(), bytes=sum(r.size for r in records.values()),
-            files=len(records), total_s=time.perf_counter() - started, staging_s=staging_s,
+            op="save",
+            location=volume.url,
+            rank=self._rank(),
+            bytes=sum(r.size for r in records.values()),
+            files=len(records),
+            total_s=time.perf_counter() - started,
+            staging_s=staging_s,
             transfer_s=(max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0,
             retries=volume.retries - retries_before,
         )
@@ -605,9 +620,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         name, so two saves agree on which is newer and exactly one of them publishes. A killed save's
         marker is older than this save's, so it never blocks a resumed job re-saving a step."""
         slot = (layout.parse_save_marker(mine) or (None, ""))[0]
-        others = sorted(
-            n for n in listing if n != mine and (layout.parse_save_marker(n) or (-1, ""))[0] == slot
-        )
+        others = sorted(n for n in listing if n != mine and (layout.parse_save_marker(n) or (-1, ""))[0] == slot)
         if not others:
             return
         mtimes = volume.list_mtimes()
@@ -651,7 +664,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # the old checkpoint's files then would lose both checkpoints.
         landed = volume.read_bytes(meta_name)
         if landed != blob:
-            found = "nothing" if landed is None else f"{len(landed)} bytes of other content ({_describe_publisher(landed, volume.describe(meta_name))})"
+            found = (
+                "nothing"
+                if landed is None
+                else f"{len(landed)} bytes of other content ({_describe_publisher(landed, volume.describe(meta_name))})"
+            )
             raise TransferError(
                 f"not published: {volume.describe(meta_name)} was written ({len(blob)} bytes) but reading it back "
                 f"gives {found}; the volume lost the write. Nothing was deleted: the checkpoint that was "

@@ -37,8 +37,12 @@ def main() -> None:
         # "stager": DCP's own stager copies in a thread of its own, so none of the writer's hooks
         # has run when the script ends.
         stager = DefaultStager(StagingOptions(False, False, True, False)) if kind == "stager" else None
-        dcp.async_save(state, storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20),
-                       async_checkpointer_type=kind_of, async_stager=stager)
+        dcp.async_save(
+            state,
+            storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20),
+            async_checkpointer_type=kind_of,
+            async_stager=stager,
+        )
     else:
         manager = CheckpointManager(location, async_mode=mode, writer_options={"file_size_bytes": 2 << 20})
         manager.save(5, state)

@@ -24,9 +24,10 @@ import os
 import platform
 import re
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -449,9 +450,7 @@ def _try_reuse(out_dir: Path, request: dict[str, Any]) -> ShardSet | None:
         return None
     try:
         index = _read_index(index_path)
-        if index.get("format") != INDEX_FORMAT or any(
-            index.get(key) != value for key, value in request.items()
-        ):
+        if index.get("format") != INDEX_FORMAT or any(index.get(key) != value for key, value in request.items()):
             logger.info("%s describes a different build; rebuilding", index_path)
             return None
         return ShardSet.load(out_dir)

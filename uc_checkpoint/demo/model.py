@@ -93,9 +93,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(batch, steps, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(batch, steps, width)
         return self.resid_drop(self.proj(y))
 
@@ -206,9 +204,7 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def shard_model(
-    model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool = True
-) -> GPT:
+def shard_model(model: GPT, mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> GPT:
     """Shard ``model`` in place with FSDP2: one unit per block, then the root.
 
     The root unit holds the embeddings, the final LayerNorm and the (tied) head. Afterwards every

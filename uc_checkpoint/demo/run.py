@@ -15,6 +15,7 @@
    every sample of the epoch was trained on exactly once or is still listed as remaining (checked
    sample by sample from each rank's log); else FAIL (exit code 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import list_checkpoints
+from ..volumes import open_volume
 
 DEMO_SHARDS = 24
 """Shards the demo cuts its corpus into."""
-from ..volumes import open_volume
 
 
 @dataclass
@@ -66,15 +67,25 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--workdir", help="data, logs and the default volume (default: a new temp dir)")
     p.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
     p.add_argument("--save-every", type=int, default=6, help="checkpoint interval in steps (default 6)")
-    p.add_argument("--kill-at", type=int, default=None, help="kill while the checkpoint of this step uploads (default: the 3rd)")
+    p.add_argument(
+        "--kill-at", type=int, default=None, help="kill while the checkpoint of this step uploads (default: the 3rd)"
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--model", choices=("demo", "gpt2-small"), default="demo", help="demo (~22 MB state) or gpt2-small (124M params)")
+    p.add_argument(
+        "--model",
+        choices=("demo", "gpt2-small"),
+        default="demo",
+        help="demo (~22 MB state) or gpt2-small (124M params)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--async-mode", choices=("thread", "process"), default="thread")
     p.add_argument("--data-workers", type=int, default=2, help="DataLoader workers per rank (default 2)")
-    p.add_argument("--resize-to", type=int, default=1,
-                   help="ranks of the last phase, which resumes the finished run on another world size "
-                        "(default 1; 0 skips it)")
+    p.add_argument(
+        "--resize-to",
+        type=int,
+        default=1,
+        help="ranks of the last phase, which resumes the finished run on another world size (default 1; 0 skips it)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per training job")
     return p
 
@@ -89,19 +100,51 @@ def say(msg: str) -> None:
 
 
 def launch(
-    label: str, workdir: Path, data: Path, args: argparse.Namespace, volume: str | None, final: Path, *,
-    nproc: int | None = None, batch_size: int | None = None, steps: int | None = None,
+    label: str,
+    workdir: Path,
+    data: Path,
+    args: argparse.Namespace,
+    volume: str | None,
+    final: Path,
+    *,
+    nproc: int | None = None,
+    batch_size: int | None = None,
+    steps: int | None = None,
 ) -> Job:
     events = workdir / f"events-{label}.jsonl"
     log = open(workdir / f"log-{label}.txt", "ab")  # noqa: SIM115 - owned by the child
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc or args.nproc}",
-        "-m", "uc_checkpoint.demo.train",
-        "--data", str(data), "--events", str(events), "--final", str(final),
-        "--steps", str(steps or args.steps), "--save-every", str(args.save_every), "--model", args.model,
-        "--batch-size", str(batch_size or args.batch_size), "--async-mode", args.async_mode,
-        "--staging-dir", str(workdir / "staging"), "--data-workers", str(args.data_workers),
-        "--samples-log", str(workdir / f"samples-{label}"), "--final-data", str(workdir / f"data-state-{label}.json"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc or args.nproc}",
+        "-m",
+        "uc_checkpoint.demo.train",
+        "--data",
+        str(data),
+        "--events",
+        str(events),
+        "--final",
+        str(final),
+        "--steps",
+        str(steps or args.steps),
+        "--save-every",
+        str(args.save_every),
+        "--model",
+        args.model,
+        "--batch-size",
+        str(batch_size or args.batch_size),
+        "--async-mode",
+        args.async_mode,
+        "--staging-dir",
+        str(workdir / "staging"),
+        "--data-workers",
+        str(args.data_workers),
+        "--samples-log",
+        str(workdir / f"samples-{label}"),
+        "--final-data",
+        str(workdir / f"data-state-{label}.json"),
     ]
     if volume is not None:
         cmd += ["--volume", volume]
@@ -152,10 +195,14 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
         for ev in job.poll_events():
             kind = ev["event"]
             if kind == "start":
-                say(f"  [{job.label}] {ev['world_size']} rank{'' if ev['world_size'] == 1 else 's'}, {ev['params']:,} parameters, starting at step {ev['step']}")
+                say(
+                    f"  [{job.label}] {ev['world_size']} rank{'' if ev['world_size'] == 1 else 's'}, {ev['params']:,} parameters, starting at step {ev['step']}"
+                )
             elif kind == "resume":
-                say(f"  [{job.label}] resumed from {ev['location']} at step {ev['step']} in {ev['load_s']:.2f} s "
-                    f"(saved by {ev['saved_world_size']} ranks, now {ev['world_size']})")
+                say(
+                    f"  [{job.label}] resumed from {ev['location']} at step {ev['step']} in {ev['load_s']:.2f} s "
+                    f"(saved by {ev['saved_world_size']} ranks, now {ev['world_size']})"
+                )
                 for line in describe_data_resume(ev["data"]):
                     say(f"  [{job.label}]   {line}")
             elif kind == "epoch":
@@ -163,7 +210,9 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
             elif kind == "step" and (ev["step"] % 5 == 0 or ev["step"] == 1):
                 say(f"  [{job.label}] step {ev['step']:4d}  loss {ev['loss']:.4f}")
             elif kind == "save_start":
-                say(f"  [{job.label}] checkpoint step {ev['step']}: async_save returned after {ev['blocked_s']:.3f} s, uploading")
+                say(
+                    f"  [{job.label}] checkpoint step {ev['step']}: async_save returned after {ev['blocked_s']:.3f} s, uploading"
+                )
                 if kill_at is not None and ev["step"] == kill_at:
                     kill_job(job)
                     say(f"  [{job.label}] SIGKILL (preemption) while checkpoint step {ev['step']} was uploading")
@@ -183,9 +232,11 @@ def follow(job: Job, deadline: float, kill_at: int | None = None) -> str:
 def describe_data_resume(d: dict[str, Any]) -> list[str]:
     """The tracker's resume summary as printable lines: what is skipped, where each worker seeks."""
     names = ", ".join(d["skipped_names"]) + (" ..." if d["skipped_shards"] > len(d["skipped_names"]) else "")
-    lines = [f"data: epoch {d['epoch']}, {d['samples_consumed_in_epoch']} samples consumed, "
-             f"{d['samples_remaining']} remaining; {d['skipped_shards']} shards skipped outright"
-             + (f" ({names})" if names else "")]
+    lines = [
+        f"data: epoch {d['epoch']}, {d['samples_consumed_in_epoch']} samples consumed, "
+        f"{d['samples_remaining']} remaining; {d['skipped_shards']} shards skipped outright"
+        + (f" ({names})" if names else "")
+    ]
     seeks = [f"rank {r} worker {w} -> {name} sample {o}" for r, w, name, o in d["seeks"]]
     for i in range(0, len(seeks), 2):
         lines.append(("seek: " if i == 0 else "      ") + "; ".join(seeks[i : i + 2]))
@@ -244,8 +295,10 @@ def check_exactly_once(
         problems.append(f"{total - len(counts) - len(remaining)} samples of the epoch were lost")
     sizes = [next((e["world_size"] for e in j.events if e["event"] == "start"), 0) for j in chain]
     hops = " -> ".join(f"{n} rank{'' if n == 1 else 's'}" for n in sizes)
-    lines = [f"data: {len(chain)} runs ({hops}) trained on {len(consumed)} samples of epoch 0, "
-             f"{len(counts)} distinct; {len(remaining)} remain in the last checkpoint; epoch size {total}"]
+    lines = [
+        f"data: {len(chain)} runs ({hops}) trained on {len(consumed)} samples of epoch 0, "
+        f"{len(counts)} distinct; {len(remaining)} remain in the last checkpoint; epoch size {total}"
+    ]
     return lines, problems
 
 
@@ -275,7 +328,9 @@ def run_demo(args: argparse.Namespace) -> int:
         # uninterrupted run only when every worker has delivered the same number of batches.
         raise SystemExit("uc-checkpoint demo: --save-every must be a multiple of --data-workers")
     if args.resize_to < 0 or (args.resize_to and (args.batch_size * args.nproc) % args.resize_to):
-        raise SystemExit("uc-checkpoint demo: --resize-to must divide --nproc x --batch-size (the global batch is kept)")
+        raise SystemExit(
+            "uc-checkpoint demo: --resize-to must divide --nproc x --batch-size (the global batch is kept)"
+        )
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="uc-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     volume = args.volume or str(workdir / "volume")
@@ -292,13 +347,19 @@ def run_demo(args: argparse.Namespace) -> int:
     # An epoch a little longer than the whole demo reads, cut into many small shards, so that resumes
     # skip whole shards and seek inside others (a real corpus is much bigger; the mechanics are the same).
     planned = args.nproc * args.batch_size * (args.steps + resize_steps)
-    shards = build_shards(workdir / "data", num_shards=DEMO_SHARDS, max_bytes=(planned * 5 // 4 + 4 * DEMO_SHARDS) * (seq_len + 1))
+    shards = build_shards(
+        workdir / "data", num_shards=DEMO_SHARDS, max_bytes=(planned * 5 // 4 + 4 * DEMO_SHARDS) * (seq_len + 1)
+    )
     resize = f", then resumed on {args.resize_to} rank(s) for {resize_steps} steps" if args.resize_to else ""
-    say(f"uc_checkpoint demo: {args.nproc} ranks x {args.data_workers} DataLoader workers, {args.steps} steps, "
-        f"checkpoint every {args.save_every}, preemption at step {kill_at}{resize}")
+    say(
+        f"uc_checkpoint demo: {args.nproc} ranks x {args.data_workers} DataLoader workers, {args.steps} steps, "
+        f"checkpoint every {args.save_every}, preemption at step {kill_at}{resize}"
+    )
     say(f"  workdir {workdir}\n  volume  {volume}")
-    say(f"  data: {len(shards.shards)} shards, {shards.num_samples(seq_len):,} samples ({shards.total_bytes:,} bytes of "
-        "Python standard library source) per epoch")
+    say(
+        f"  data: {len(shards.shards)} shards, {shards.num_samples(seq_len):,} samples ({shards.total_bytes:,} bytes of "
+        "Python standard library source) per epoch"
+    )
 
     say("1/4 reference run, uninterrupted, no checkpoints")
     ref_final = workdir / "final-reference.pt"
@@ -347,11 +408,21 @@ def run_demo(args: argparse.Namespace) -> int:
         say("  final parameters are bit-identical to the uninterrupted run")
 
     if args.resize_to and not problems:
-        say(f"4/4 resume the finished run on {args.resize_to} rank{'' if args.resize_to == 1 else 's'} (same global "
-            f"batch) for {resize_steps} more steps")
-        job = launch("resized", workdir, shards.root, args, volume, workdir / "final-resized.pt",
-                     nproc=args.resize_to, batch_size=args.batch_size * args.nproc // args.resize_to,
-                     steps=args.steps + resize_steps)
+        say(
+            f"4/4 resume the finished run on {args.resize_to} rank{'' if args.resize_to == 1 else 's'} (same global "
+            f"batch) for {resize_steps} more steps"
+        )
+        job = launch(
+            "resized",
+            workdir,
+            shards.root,
+            args,
+            volume,
+            workdir / "final-resized.pt",
+            nproc=args.resize_to,
+            batch_size=args.batch_size * args.nproc // args.resize_to,
+            steps=args.steps + resize_steps,
+        )
         jobs.append(job)
         if follow(job, time.time() + deadline_each) != "done":
             say(f"FAIL: the resized run failed; see {workdir}/log-{job.label}.txt")
@@ -366,8 +437,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if problems:
         say(f"FAIL: {'; '.join(problems)} ({elapsed:.0f} s, workdir {workdir})")
         return 1
-    say(f"PASS: final parameters bit-identical to the uninterrupted run; every sample trained on exactly once "
-        f"across the preemption{' and the resize' if args.resize_to else ''} ({elapsed:.0f} s, workdir {workdir})")
+    say(
+        f"PASS: final parameters bit-identical to the uninterrupted run; every sample trained on exactly once "
+        f"across the preemption{' and the resize' if args.resize_to else ''} ({elapsed:.0f} s, workdir {workdir})"
+    )
     if not args.workdir:
         shutil.rmtree(workdir / "staging", ignore_errors=True)
     return 0
@@ -396,9 +469,11 @@ def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpubl
             say(f"{job.label:8} {step:5d} {size / 1e6:8.2f} {ev['blocked_s']:10.3f} {publish:>15} {rate:>7}  {state}")
     for ev in resumes:
         d = ev["data"]
-        say(f"resume: step {ev['step']} from {ev['location']} ({ev['saved_world_size']} -> {ev['world_size']} ranks; "
+        say(
+            f"resume: step {ev['step']} from {ev['location']} ({ev['saved_world_size']} -> {ev['world_size']} ranks; "
             f"epoch {d['epoch']}, {d['samples_consumed_in_epoch']} samples consumed, {d['skipped_shards']} shards "
-            f"skipped, {len(d['seeks'])} seeks), load {ev['load_s']:.2f} s")
+            f"skipped, {len(d['seeks'])} seeks), load {ev['load_s']:.2f} s"
+        )
     say("")
 
 

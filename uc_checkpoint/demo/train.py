@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..checkpoints import checkpoint_name, latest_checkpoint
+from ..data_loading import TrackedDataLoader, TrackedShardDataset
+from ..data_tracker import DataTracker, ShardSpec
 from ..reader import UCVolumeReader
 from ..volumes import open_volume
 from ..writer import UCVolumeWriter
-from ..data_loading import TrackedDataLoader, TrackedShardDataset
-from ..data_tracker import DataTracker, ShardSpec
 from .data import ShardReader, ShardSet
 from .model import GPT, GPTConfig, shard_model
 
@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     tracker = DataTracker(specs, seed=args.seed, rank=rank, world_size=world, num_workers=args.data_workers)
     loader = TrackedDataLoader(
         TrackedShardDataset(tracker, DemoShardReader(shards, config.seq_len)),
-        batch_size=args.batch_size, num_workers=args.data_workers, persistent_workers=args.data_workers > 0,
+        batch_size=args.batch_size,
+        num_workers=args.data_workers,
+        persistent_workers=args.data_workers > 0,
     )
     samples_log = SampleLog(args.samples_log, rank)
     torch.manual_seed(args.seed + 1 + rank)  # dropout differs per rank, and is checkpointed
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             events.emit("epoch", epoch=tracker.epoch, step=step)
             batches = iter(loader)
             continue
+        assert batch is not None  # every rank had a full batch
         x, shard_ids, offsets = batch
         _, loss = model(x[:, :-1], x[:, 1:])
         optimizer.zero_grad(set_to_none=True)
@@ -175,17 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         if volume is not None and step % args.save_every == 0:
             if pending is not None:
                 pending.result()  # one save in flight at a time
-            pending = save(model, optimizer, loader, step, volume.child(checkpoint_name(step)).url, rank, ckpt_group, events, args)
+            pending = save(
+                model, optimizer, loader, step, volume.child(checkpoint_name(step)).url, rank, ckpt_group, events, args
+            )
     if pending is not None:
         pending.result()
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    final_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     data_state = loader.state_dict()  # collective: every rank
     if rank == 0 and args.final_data:
         Path(args.final_data).write_text(data_state["global_state"])
     if rank == 0:
         tmp = Path(args.final + ".tmp")
-        torch.save(full, tmp)
+        torch.save(final_sd, tmp)
         os.replace(tmp, args.final)
     events.emit("done", step=step)
     dist.barrier()
@@ -193,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_state(model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, step: int, rank: int, world: int) -> dict[str, Any]:
+def train_state(
+    model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, step: int, rank: int, world: int
+) -> dict[str, Any]:
     """The checkpointed state: model and optimiser (DTensor shards), this rank's RNG under a key of
     its own, the step, and the data tracker (a Stateful: the data position of every rank and
     DataLoader worker, gathered when DCP calls its state_dict)."""
@@ -208,12 +215,19 @@ def train_state(model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDat
 
 
 def save(
-    model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, step: int, location: str, rank: int,
-    group: dist.ProcessGroup, events: Events, args: argparse.Namespace,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    loader: TrackedDataLoader,
+    step: int,
+    location: str,
+    rank: int,
+    group: dist.ProcessGroup,
+    events: Events,
+    args: argparse.Namespace,
 ) -> Future:
     started = time.perf_counter()
     mode = AsyncCheckpointerType.PROCESS if args.async_mode == "process" else AsyncCheckpointerType.THREAD
-    fut = dcp.async_save(
+    fut: Future = dcp.async_save(  # type: ignore[assignment]  # a Future: UCVolumeWriter stages synchronously
         train_state(model, optimizer, loader, step, rank, dist.get_world_size()),
         storage_writer=UCVolumeWriter(location, staging_dir=args.staging_dir),
         process_group=group,
@@ -224,16 +238,28 @@ def save(
 
     def done(f: Future) -> None:
         ok = f.exception() is None
-        events.emit("save_done", step=step, location=location, ok=ok, publish_s=time.perf_counter() - started,
-                    error=None if ok else repr(f.exception()))
+        events.emit(
+            "save_done",
+            step=step,
+            location=location,
+            ok=ok,
+            publish_s=time.perf_counter() - started,
+            error=None if ok else repr(f.exception()),
+        )
 
     fut.add_done_callback(done)
     return fut
 
 
 def resume(
-    model: GPT, optimizer: torch.optim.Optimizer, loader: TrackedDataLoader, location: str, rank: int, world: int,
-    events: Events, args: argparse.Namespace,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    loader: TrackedDataLoader,
+    location: str,
+    rank: int,
+    world: int,
+    events: Events,
+    args: argparse.Namespace,
 ) -> int:
     """Load the checkpoint at ``location`` into this run, whatever world size saved it: DCP reshards
     the model and optimiser, the tracker reshards the remaining data."""
@@ -249,9 +275,15 @@ def resume(
     if "rng" in state:
         torch.set_rng_state(state["rng"][f"rank{rank}"])
     step = int(state["train"]["step"])
-    events.emit("resume", step=step, location=location, load_s=time.perf_counter() - started,
-                saved_world_size=state["train"]["world_size"], world_size=world,
-                data=loader.tracker.resume_summary())
+    events.emit(
+        "resume",
+        step=step,
+        location=location,
+        load_s=time.perf_counter() - started,
+        saved_world_size=state["train"]["world_size"],
+        world_size=world,
+        data=loader.tracker.resume_summary(),
+    )
     return step
 
 

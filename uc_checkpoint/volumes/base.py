@@ -114,7 +114,9 @@ class Volume(ABC):
                 "(truncated or replaced)"
             )
         if actual < min_size:
-            raise CorruptCheckpointError(f"checkpoint file {where} has {actual} bytes, the checkpoint needs at least {min_size}")
+            raise CorruptCheckpointError(
+                f"checkpoint file {where} has {actual} bytes, the checkpoint needs at least {min_size}"
+            )
         return actual if expected_size is not None or min_size <= 0 else min_size
 
     def _check_copied(self, name: str, copied: int, size: int) -> None:

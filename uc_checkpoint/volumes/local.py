@@ -228,8 +228,7 @@ class LocalVolume(Volume):
             raise TransferError(f"reading bytes {start}-{end - 1} of {path} failed: {exc}") from exc
         if len(data) != end - start:
             raise CorruptCheckpointError(
-                f"checkpoint file {path} is truncated: bytes {start}-{end - 1} needed, file ends at "
-                f"{start + len(data)}"
+                f"checkpoint file {path} is truncated: bytes {start}-{end - 1} needed, file ends at {start + len(data)}"
             )
         return data
 
@@ -322,8 +321,12 @@ class LocalVolume(Volume):
             if not (overwrite and exc.errno in (errno.EPERM, errno.EACCES) and dest.exists()):
                 raise TransferError(f"publishing {dest} failed: {exc}") from exc
             refused = exc
-        logger.info("%s refuses to overwrite existing files (%s); replacing %s by deleting it, then "
-                    "creating it (not atomic)", self.url, refused, dest.name)
+        logger.info(
+            "%s refuses to overwrite existing files (%s); replacing %s by deleting it, then creating it (not atomic)",
+            self.url,
+            refused,
+            dest.name,
+        )
         try:
             dest.unlink()
         except FileNotFoundError:

@@ -62,8 +62,7 @@ def check_bucket_name(bucket: str, url: str) -> str:
     elif bucket != bucket.lower():
         problem = "it has upper-case letters, S3 allows only lower-case ones"
     elif not _BUCKET.match(bucket):
-        problem = ("S3 allows only lower-case letters, digits, dots and hyphens, with a letter or digit "
-                   "at both ends")
+        problem = "S3 allows only lower-case letters, digits, dots and hyphens, with a letter or digit at both ends"
     elif ".." in bucket:
         problem = "S3 allows no two adjacent dots"
     elif _IPV4.match(bucket):

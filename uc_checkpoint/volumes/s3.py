@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from ..integrity import Digest, FileRecord, crc32_base64, composite_crc32_base64, digest_file
+from ..integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
 from .base import Volume
 from .locations import canonical_key_path, check_bucket_name
 
@@ -517,7 +517,11 @@ def _hint(exc: BaseException) -> str:
     or "" for any other error."""
     status, code = _error_info(exc)
     text = str(exc).lower()
-    if status in (400, 501) and "checksum" in text and ("header" in text or code in ("InvalidArgument", "NotImplemented")):
+    if (
+        status in (400, 501)
+        and "checksum" in text
+        and ("header" in text or code in ("InvalidArgument", "NotImplemented"))
+    ):
         return (
             " (the store refuses S3's checksum headers: set AWS_REQUEST_CHECKSUM_CALCULATION=when_required and "
             "AWS_RESPONSE_CHECKSUM_VALIDATION=when_required, or request_checksum_calculation / "
