@@ -53,8 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from .data_tracker import DataTracker, ShardSpec
 from .errors import DataLoadingError, TrackerStateError

@@ -16,13 +16,14 @@ module rather than in the writer or manager objects.
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401 - imported first so that our exit callback runs before its own
 import logging
 import sys
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any
+
+from . import dcp_compat
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,12 @@ class SaveTicket:
             # Staged, not yet started: DCP's THREAD executor starts its worker (named with this
             # prefix) inside async_save, before it returns. Without one, nothing will run this save
             # here (stage() called alone, or PROCESS mode, whose own executor thread Python joins).
-            return not any(t.name.startswith(_DCP_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
+            return not any(
+                t.name.startswith(dcp_compat.DCP_ASYNC_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate()
+            )
         if not thread.is_alive() or thread is threading.current_thread():
             return True
-        return not _in_file(thread, _dcp_saver_file())
+        return not _in_file(thread, dcp_compat.dcp_saver_file())
 
     def wait(self) -> None:
         """Block until :meth:`over`, or until an unstarted save has waited ``UNSTARTED_WAIT_S``."""
@@ -91,18 +94,6 @@ class SaveTicket:
                 logger.error("checkpoint save to %s never started; not waiting for it any longer", self.what)
                 return
             self._ended.wait(0.05)
-
-
-#: Thread-name prefix of DCP's THREAD-mode async save executor (torch 2.6-2.14:
-#: ``_async_thread_executor._ThreadBasedAsyncCheckpointExecutor``).
-_DCP_THREAD_PREFIX = "AsyncCheckpointExecutor"
-
-
-def _dcp_saver_file() -> str:
-    """The source file of DCP's ``save``: a thread with a frame from it is still saving."""
-    from torch.distributed.checkpoint import state_dict_saver
-
-    return state_dict_saver.__file__
 
 
 def _in_file(thread: threading.Thread, filename: str) -> bool:
@@ -117,14 +108,9 @@ def _in_file(thread: threading.Thread, filename: str) -> bool:
 def _dcp_async_saves() -> list[threading.Thread]:
     """Threads running a THREAD-mode ``dcp.async_save`` now, ours or not, including one still
     waiting for an async stager to finish its copy (no hook of ours has run in it yet)."""
-    from torch.distributed.checkpoint import _async_thread_executor
-
     me = threading.current_thread()
-    return [
-        t
-        for t in threading.enumerate()
-        if t is not me and t.is_alive() and _in_file(t, _async_thread_executor.__file__)
-    ]
+    source = dcp_compat.dcp_async_thread_file()
+    return [t for t in threading.enumerate() if t is not me and t.is_alive() and _in_file(t, source)]
 
 
 class _ExitGuard:
@@ -143,11 +129,7 @@ class _ExitGuard:
     def _register(self) -> None:
         if self._registered:
             return
-        try:
-            threading._register_atexit(self._at_exit)  # type: ignore[attr-defined]  # Python >= 3.9
-        except RuntimeError:  # already shutting down: nothing can be registered any more
-            return
-        self._registered = True
+        self._registered = dcp_compat.register_before_thread_pools_shut(self._at_exit)
 
     def open(self, what: str, background: bool) -> SaveTicket:
         ticket = SaveTicket(what, background=background)

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import layout
+from .dcp_compat import _StorageInfo
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 
 logger = logging.getLogger(__name__)

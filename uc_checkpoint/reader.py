@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from . import layout, metadata_io
+from .dcp_compat import _StorageInfo, narrow_tensor_by_index
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, UCCheckpointError
 from .integrity import FileRecord, verify_blocks
 from .item_codec import ItemChecksumError, ItemCodec

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .dcp_compat import dtensor_like, dtensor_local
+
 try:  # torch >= 2.5 (the package requires >= 2.6)
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
@@ -78,9 +80,8 @@ def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device]) -> Any
 
 def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
     if DTensor is not None and type(t) is DTensor:
-        local = t._local_tensor  # the shard itself; to_local() would go through autograd
         # Same mesh, placements and global shape/stride: DCP plans the save from the spec.
-        return DTensor(_copy_plain(local, devices), t._spec, requires_grad=False)
+        return dtensor_like(_copy_plain(dtensor_local(t), devices), t)
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedSnapshot(f"{type(t).__name__} is staged by DCP's own stager")
     if t.layout != torch.strided:

@@ -43,25 +43,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    FileSystem,
-    FileSystemWriter,
-    _item_size,
-    _OverlappingCpuLoader,
-    _SerialCpuLoader,
-    _split_by_size_and_type,
-    _StorageInfo,
-    _StoragePrefix,
-)
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import exit_guard, layout, metadata_io
+from .dcp_compat import (
+    CURRENT_DCP_VERSION,
+    _item_size,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+    cpu_loader,
+)
 from .errors import (
     CheckpointExistsError,
     ConcurrentSaveError,
@@ -77,11 +74,6 @@ from .snapshot import UnsupportedSnapshot, cpu_snapshot
 from .staging import create_staging_dir, remove_staging_dir, staging_dir_for
 from .transfer import TransferGroup, TransferPool
 from .volumes import FileRecord, Volume
-
-try:  # the version string DCP stamps into .metadata
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-except ImportError:  # pragma: no cover - older torch
-    CURRENT_DCP_VERSION = "1.0.0"  # type: ignore[misc]
 
 logger = logging.getLogger(__name__)
 
@@ -461,10 +453,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     ) -> list[WriteResult]:
         # As DCP's writer: accelerator tensors of a synchronous save are copied to the CPU a little
         # ahead of serialisation (async saves arrive here already on the CPU).
-        if self.thread_count == 1 and self.per_thread_copy_ahead > 0 and torch.cuda.is_available():
-            loader: Any = _OverlappingCpuLoader(planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead)
-        else:
-            loader = _SerialCpuLoader(planner.resolve_data)
+        loader = cpu_loader(planner.resolve_data, self.thread_count, self.per_thread_copy_ahead)
         for item in items:
             if item.type != WriteItemType.BYTE_IO:
                 loader.add(_item_size(item), item)
