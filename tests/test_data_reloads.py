@@ -547,3 +547,13 @@ def test_fuzzed_states_load_consistently_or_raise_tracker_state_error(data) -> N
     left = [p for w in range(2) for p in iter_positions(tracker.consumer_slices(w))]
     assert len(left) == len(set(left)) and set(left) <= set(epoch_samples())
     assert tracker.global_state([tracker.local_state()])["samples_consumed_in_epoch"] == sum(SIZES) - len(left)
+
+
+def test_a_state_nested_too_deep_for_json_is_a_tracker_state_error() -> None:
+    from uc_checkpoint import TrackerStateError
+    from uc_checkpoint.data_loading import TrackerStateful
+    from uc_checkpoint.data_tracker import DataTracker, ShardSpec
+
+    stateful = TrackerStateful(DataTracker([ShardSpec("a", 4)], seed=0))
+    with pytest.raises(TrackerStateError, match="not valid JSON"):
+        stateful.load_state_dict({"global_state": "[" * 100_000 + "]" * 100_000})

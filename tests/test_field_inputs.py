@@ -247,3 +247,46 @@ def test_the_cli_refuses_an_invalid_bucket_in_one_line(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and "invalid S3 bucket name 'ab'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("victim", ["data", "metadata", "directory"])
+def test_a_fifo_or_directory_in_a_checkpoint_is_refused_without_blocking(tmp_path: Path, victim: str) -> None:
+    from uc_checkpoint import CheckpointManager, list_root
+
+    loc = tmp_path / "root" / "step_00000001"
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(loc), no_dist=True)
+    path = loc / ".metadata" if victim == "metadata" else _data_file(loc)
+    path.unlink()
+    if victim == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)  # opening it for reading would block until a writer came
+    for prefetch in (True, False):
+        err = _load_error(loc, prefetch=prefetch)
+        assert isinstance(err, CorruptCheckpointError) and "not a regular file" in str(err), err
+    assert CheckpointManager(str(tmp_path / "root")).latest() is None
+    assert [s.state for s in list_root(str(tmp_path / "root"))] == ["broken"]
+
+
+def test_the_short_file_url_form_is_a_path(tmp_path: Path) -> None:
+    from uc_checkpoint.volumes import open_volume
+
+    assert open_volume(f"file:{tmp_path}/x").url == str(tmp_path / "x")
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(f"file:{tmp_path}/ck"), no_dist=True)
+    assert (tmp_path / "ck" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("bucket", ["xn--abc", "sthree-abc", "abc-s3alias", "abc--ol-s3"])
+def test_reserved_bucket_names_are_refused(bucket: str) -> None:
+    from uc_checkpoint import VolumeError
+
+    with pytest.raises(VolumeError, match="reserves"):
+        UCVolumeWriter(f"s3://{bucket}/run")
+
+
+@pytest.mark.parametrize("value", ["False", 0, 1, "no"])
+def test_the_checksums_option_takes_only_booleans(value: object) -> None:
+    from uc_checkpoint import VolumeError
+
+    with pytest.raises(VolumeError, match="checksums must be True, False or None"):
+        UCVolumeWriter("s3://bucket/run", volume_options={"checksums": value})

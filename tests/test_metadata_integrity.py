@@ -164,3 +164,14 @@ def test_no_single_byte_flip_in_a_stock_checkpoints_metadata_loads_wrong_values(
     meta = loc / ".metadata"
     counts = _flip_sweep(meta, list(range(0, meta.stat().st_size, 3)), loc)
     assert counts["refused"] > 0
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_no_flip_in_a_large_item_of_a_stock_checkpoint_loads_wrong_values(tmp_path: Path, prefetch: bool) -> None:
+    # No manifest: the archive's own CRC-32 is the only check, and torch.load does not make it.
+    loc = tmp_path / "stock"
+    dcp.save(_sd(), storage_writer=dcp.FileSystemWriter(str(loc)), no_dist=True)
+    for data_file in sorted(loc.glob("*.distcp")):
+        size = data_file.stat().st_size
+        counts = _flip_sweep(data_file, list(range(0, size, max(1, size // 120))), loc, prefetch_files=prefetch)
+        assert counts["refused"] > 0

@@ -139,3 +139,40 @@ def test_a_store_ignoring_conditional_writes_still_keeps_a_published_checkpoint(
             dcp.save(_sd(8.0), storage_writer=UCVolumeWriter(url, overwrite=False), no_dist=True)
         assert isinstance(rank_error(info.value), CheckpointExistsError)
         assert torch.equal(_load(url)["b"], torch.arange(10.0) + 7.0)
+
+
+def test_half_the_settings_still_names_the_fix(
+    picky_store: FaultProxy, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the request side set: the HEAD that verifies an upload still asks for the checksum and
+    # gets a bodiless 400.
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    with pytest.raises(BaseException) as info:
+        dcp.save(_sd(9.0), storage_writer=UCVolumeWriter(f"s3://{s3_bucket}/half/x"), no_dist=True)
+    err = rank_error(info.value)
+    assert isinstance(err, TransferError) and "AWS_RESPONSE_CHECKSUM_VALIDATION=when_required" in str(err), err
+
+
+def test_the_cli_reads_boolean_words(picky_store: FaultProxy, s3_bucket: str) -> None:
+    CheckpointManager(f"s3://{s3_bucket}/words", volume_options={"checksums": False}, async_save=False).save(
+        1, _sd(1.0)
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for word in ("false", "no", "off"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "uc_checkpoint.cli",
+                "verify",
+                f"s3://{s3_bucket}/words/step_00000001",
+                "-o",
+                f"checksums={word}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=180,
+        )
+        assert proc.returncode == 0, (word, proc.stderr[-2000:])

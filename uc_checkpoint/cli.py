@@ -50,6 +50,10 @@ def _volume_options(pairs: list[str] | None) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise _UserError(f"-o takes KEY=VALUE, got {pair!r}")
+        words = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False, "none": None}
+        if text.strip().lower() in words:
+            out[key.strip()] = words[text.strip().lower()]
+            continue
         try:
             out[key.strip()] = ast.literal_eval(text)
         except (ValueError, SyntaxError):

@@ -282,8 +282,8 @@ class TrackerStateful:
             )
         try:
             state = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise TrackerStateError(f"data tracker state 'global_state' is not valid JSON: {exc}") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise TrackerStateError(f"data tracker state 'global_state' is not valid JSON: {exc!r}") from None
         self.tracker.load_global_state(state)
         for line in _describe_resume(self.tracker):
             logger.info("%s", line)

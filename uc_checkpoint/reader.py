@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+import zipfile
 from collections.abc import Mapping
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
@@ -433,6 +434,12 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             tensor = codec.decode(data, *saved) if saved is not None else None
         except ItemChecksumError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from exc
+        if tensor is None and not self._load.records and self.verify_checksums:
+            # No manifest (a stock checkpoint): nothing else covers these bytes, and torch.load does
+            # not check the archive's own CRC-32s.
+            bad = _zip_crc_problem(data)
+            if bad is not None:
+                raise CorruptCheckpointError(f"{where} fails its archive's CRC-32 ({bad}): the file was damaged")
         try:
             if tensor is None:
                 tensor = torch.load(cast(IO[bytes], _MemoryReader(data)), map_location="cpu", weights_only=True)
@@ -463,6 +470,17 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
                 )
         elif record.size < min_size:
             raise CorruptCheckpointError(f"{where} has {record.size} bytes, the checkpoint needs at least {min_size}")
+
+
+def _zip_crc_problem(data: memoryview) -> str | None:
+    """The first member of the zip archive ``data`` whose CRC-32 is wrong (or why it is no zip),
+    else None. Reads every member once, without copying ``data``."""
+    try:
+        with zipfile.ZipFile(cast(IO[bytes], _MemoryReader(data))) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if bad is None else f"member {bad}"
 
 
 class _MemoryReader(io.RawIOBase):

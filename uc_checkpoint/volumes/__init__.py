@@ -42,6 +42,8 @@ def open_volume(location: str | os.PathLike[str] | Volume, **options: Any) -> Vo
             raise VolumeError(f"volume options {sorted(options)} cannot apply to the ready volume {location.url}")
         return location
     text = require_location(os.fspath(location))
+    if text[:5].lower() == "file:" and text[5:7] != "//":
+        text = "file://" + text[5:]  # file:/p (RFC 8089's short form) is file:///p, not a relative path
     scheme = text.partition("://")[0].lower() if "://" in text else "file"
     if scheme == "file":
         if options:

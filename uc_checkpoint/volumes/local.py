@@ -16,6 +16,7 @@ import os
 import stat
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from ..integrity import Digest, FileRecord, copy_stream
@@ -67,6 +68,21 @@ def _write_whole(path: Path, data: bytes, mode: str) -> None:
     except BaseException:
         with contextlib.suppress(OSError):
             path.unlink()
+        raise
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading, or CorruptCheckpointError when it is not a regular file: a FIFO
+    would block the open itself (hence O_NONBLOCK), a device (``/dev/zero``) never ends, and a
+    directory is no data at all; their sizes say nothing about what reading them gives."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"checkpoint file {path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
         raise
 
 
@@ -198,10 +214,8 @@ class LocalVolume(Volume):
         src_path = self._path(name)
         digest = Digest()
         try:
-            with open(src_path, "rb") as src:
+            with _open_regular(src_path) as src:
                 st = os.fstat(src.fileno())
-                if not stat.S_ISREG(st.st_mode):  # a device or FIFO: its size says nothing
-                    raise CorruptCheckpointError(f"checkpoint file {src_path} is not a regular file")
                 size = self._check_size(name, st.st_size, expected_size, min_size)
                 with open(local_path, "wb") as dst:
                     copied = copy_stream(src, dst, digest, limit=size)
@@ -217,9 +231,7 @@ class LocalVolume(Volume):
     def read_range(self, name: str, start: int, end: int) -> bytes:
         path = self._path(name)
         try:
-            with open(path, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise CorruptCheckpointError(f"checkpoint file {path} is not a regular file")
+            with _open_regular(path) as f:
                 f.seek(start)
                 data = f.read(end - start)
         except FileNotFoundError as exc:
@@ -234,9 +246,7 @@ class LocalVolume(Volume):
 
     def read_bytes(self, name: str) -> bytes | None:
         try:
-            with open(self._path(name), "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/zero would never end
-                    raise CorruptCheckpointError(f"{self._path(name)} is not a regular file")
+            with _open_regular(self._path(name)) as f:
                 return f.read()
         except FileNotFoundError:
             return None

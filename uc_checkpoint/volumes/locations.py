@@ -67,6 +67,8 @@ def check_bucket_name(bucket: str, url: str) -> str:
         problem = "S3 allows no two adjacent dots"
     elif _IPV4.match(bucket):
         problem = "S3 allows no name shaped like an IP address"
+    elif bucket.startswith(("xn--", "sthree-")) or bucket.endswith(("-s3alias", "--ol-s3", ".mrap", "--x-s3")):
+        problem = "S3 reserves the prefixes xn-- and sthree- and the suffixes -s3alias, --ol-s3, .mrap and --x-s3"
     if problem:
         raise VolumeError(f"invalid S3 bucket name {bucket!r} in {url!r}: {problem}")
     return bucket

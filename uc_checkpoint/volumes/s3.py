@@ -118,6 +118,8 @@ class S3Volume(Volume):
         read_timeout: float = 60.0,
         checksums: bool | None = None,
     ) -> None:
+        if checksums is not None and not isinstance(checksums, bool):
+            raise VolumeError(f"checksums must be True, False or None, got {checksums!r}")
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         if addressing_style not in (None, "path", "virtual", "auto"):
@@ -326,7 +328,7 @@ class S3Volume(Volume):
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 return None
-            raise TransferError(f"HEAD {self.describe(name)} failed: {exc}") from exc
+            raise TransferError(f"HEAD {self.describe(name)} failed: {exc}{_hint(exc)}") from exc
         return int(head["ContentLength"])
 
     # ---- data movement ------------------------------------------------------------------------
@@ -416,7 +418,7 @@ class S3Volume(Volume):
                 raise CorruptCheckpointError(
                     f"checkpoint file {where} is truncated: it ends before byte {start}"
                 ) from exc
-            raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}") from exc
+            raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}{_hint(exc)}") from exc
         if len(data) != end - start:
             raise CorruptCheckpointError(
                 f"checkpoint file {where} is truncated: bytes {start}-{end - 1} needed, got {len(data)}"
@@ -431,7 +433,7 @@ class S3Volume(Volume):
                 raise VolumeError(f"cannot read {self.url}: bucket {self.bucket!r} does not exist") from exc
             if _is_missing(exc):
                 return None
-            raise TransferError(f"reading {self.describe(name)} failed: {exc}") from exc
+            raise TransferError(f"reading {self.describe(name)} failed: {exc}{_hint(exc)}") from exc
 
     def _get(self, name: str, byte_range: str | None) -> bytes:
         """GET an object (or a range of it). botocore retries a failed request; a body cut off
@@ -517,7 +519,9 @@ def _hint(exc: BaseException) -> str:
     or "" for any other error."""
     status, code = _error_info(exc)
     text = str(exc).lower()
-    if (
+    # A HEAD's error has no body: a bare "Bad Request", after asking for the checksum (x-amz-checksum-mode).
+    bare_head = status == 400 and "headobject" in text and code in ("400", "BadRequest", "")
+    if bare_head or (
         status in (400, 501)
         and "checksum" in text
         and ("header" in text or code in ("InvalidArgument", "NotImplemented"))
