@@ -131,3 +131,31 @@ def test_auto_file_size_cuts_a_rank_share_into_about_16_files_within_bounds(tmp_
     sd = {f"t{i}": torch.zeros(1 << 20) for i in range(10)}
     dcp.save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"))
     assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 3
+
+
+def test_data_files_per_rank_follow_the_ranks_own_share(tmp_path) -> None:
+    # 16 shards of 4 MiB on this rank, each of a tensor twice as large globally (2 ranks): the rank
+    # writes 64 MiB, so the automatic size (share / 16, at least 16 MiB) gives 4 files, not 8.
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from uc_checkpoint import UCVolumeWriter
+    from uc_checkpoint.dcp_compat import _StoragePrefix
+
+    def shard(i: int, world: int) -> WriteItem:
+        local = 1 << 20  # float32 elements: 4 MiB
+        return WriteItem(
+            index=MetadataIndex(f"w{i}", torch.Size([0])),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([local])),
+                properties=TensorProperties(dtype=torch.float32),
+                size=torch.Size([local * world]),
+            ),
+        )
+
+    writer = UCVolumeWriter(tmp_path / "ckpt")
+    for world in (1, 2, 4, 8):
+        plan = SavePlan([shard(i, world) for i in range(16)], storage_data=_StoragePrefix("__0_t_"))
+        assert writer._file_queue(plan, tmp_path).qsize() == 4, world

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 # DCP's file format: the per-item storage record in .metadata, the per-rank file prefix of a save
-# plan, how FileSystemWriter splits a rank's items into files, an item's byte size, and the two
+# plan, how FileSystemWriter splits a rank's items into files, and the two
 # loaders that move tensors to the CPU ahead of serialisation.
 from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: F401 - re-exported
 from torch.distributed.checkpoint.filesystem import (  # noqa: F401 - re-exported
-    _item_size,
     _OverlappingCpuLoader,
     _SerialCpuLoader,
     _split_by_size_and_type,
@@ -104,7 +103,6 @@ __all__ = [
     "_SerialCpuLoader",
     "_StorageInfo",
     "_StoragePrefix",
-    "_item_size",
     "_split_by_size_and_type",
     "cpu_loader",
     "dcp_async_thread_file",

@@ -53,7 +53,6 @@ from torch.futures import Future
 from . import exit_guard, layout, metadata_io
 from .dcp_compat import (
     CURRENT_DCP_VERSION,
-    _item_size,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
@@ -395,7 +394,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     # ---- writing ------------------------------------------------------------------------------
     def _file_queue(self, plan: SavePlan, staging: Path) -> queue.Queue[tuple[Path, str, list[Any]]]:
         prefix = plan.storage_data.prefix
-        total = sum(_item_size(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
+        total = sum(_chunk_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
         size = self.file_size_bytes if self.file_size_bytes is not None else auto_file_size(total)
         n_files = max(self.thread_count, math.ceil(total / size), 1)
         file_queue: queue.Queue[tuple[Path, str, list[Any]]] = queue.Queue()
@@ -456,7 +455,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         loader = cpu_loader(planner.resolve_data, self.thread_count, self.per_thread_copy_ahead)
         for item in items:
             if item.type != WriteItemType.BYTE_IO:
-                loader.add(_item_size(item), item)
+                loader.add(_chunk_bytes(item), item)
         loader.start_loading()
         out: list[WriteResult] = []
         with fs.create_stream(path, "wb") as stream:
@@ -692,6 +691,17 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                 volume.delete(name)
             except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
                 logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
+
+
+def _chunk_bytes(item: Any) -> int:
+    """Bytes of the part of a tensor this rank writes: its chunk, not the whole tensor (DCP's
+    ``_item_size`` measures the global tensor, which made each rank believe its share was W times
+    larger and cut it into W times more files)."""
+    data = item.tensor_data
+    n = 1
+    for d in data.chunk.sizes:
+        n *= d
+    return n * data.properties.dtype.itemsize
 
 
 def _write_result(item: Any, storage_key: str, offset: int, length: int) -> WriteResult:
