@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .checkpoints import list_checkpoints
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError, one_line
-from .layout import ABANDONED_NAME, manifest_of, manifest_records, referenced_files
-from .lineage import describe_marker, marker_applies
+from .layout import manifest_of, manifest_records, referenced_files
+from .lineage import abandonment_of
 from .reader import UCVolumeReader
 from .volumes import LocalVolume, Volume, open_volume
 
@@ -106,10 +106,9 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
             try:
                 metadata = UCVolumeReader(location).load_metadata()
                 problem = missing_or_short(location, metadata, files)
-                if problem is None and ABANDONED_NAME in files:
-                    raw = location.read_bytes(ABANDONED_NAME)
-                    if marker_applies(raw, manifest_of(metadata)):
-                        abandoned, problem = True, describe_marker(raw)
+                if problem is None:
+                    problem = abandonment_of(location, manifest_of(metadata), files)
+                    abandoned = problem is not None
             except CorruptCheckpointError as exc:
                 problem = str(exc)
             except CheckpointNotFoundError:

@@ -74,6 +74,22 @@ def describe_marker(raw: bytes | None) -> str:
     return f"abandoned by a rollback: step {by} was saved below it{origin}"
 
 
+def abandonment_of(location: Any, manifest: Mapping[str, Any] | None, files: Mapping[str, int]) -> str | None:
+    """Why the checkpoint at ``location`` (a :class:`~uc_checkpoint.volumes.Volume`, whose listing is
+    ``files``) is abandoned, in words, or None when no marker there applies to it (its manifest is
+    ``manifest``). Reads the marker only when the listing shows one.
+
+    Raises:
+        TransferError / VolumeError: the marker cannot be read.
+    """
+    from .layout import ABANDONED_NAME
+
+    if ABANDONED_NAME not in files:
+        return None
+    raw = location.read_bytes(ABANDONED_NAME)
+    return describe_marker(raw) if marker_applies(raw, manifest) else None
+
+
 def newer_published(published: Sequence[int], step: int) -> list[int]:
     """The published steps above ``step``: what a save of ``step`` abandons."""
     return sorted(s for s in published if s > step)

@@ -279,11 +279,13 @@ class CheckpointManager:
         except CheckpointNotFoundError as exc:
             return f"no longer published: {exc}"
         files = self._retry(f"list {info.name}", location.list_files)
-        if ABANDONED_NAME in files:
-            raw = self._retry(f"read {info.name}/{ABANDONED_NAME}", lambda: location.read_bytes(ABANDONED_NAME))
-            if lineage.marker_applies(raw, layout.manifest_of(metadata)):
-                self._abandoned.add(info.step)
-                return lineage.describe_marker(raw)
+        manifest = layout.manifest_of(metadata)
+        abandoned = self._retry(
+            f"read {info.name}/{ABANDONED_NAME}", lambda: lineage.abandonment_of(location, manifest, files)
+        )
+        if abandoned is not None:
+            self._abandoned.add(info.step)
+            return abandoned
         self._abandoned.discard(info.step)  # taken back, or saved again since
         return missing_or_short(location, metadata, files)
 
@@ -419,9 +421,7 @@ class CheckpointManager:
             except (CorruptCheckpointError, CheckpointNotFoundError):
                 continue  # broken or gone: latest() skips it anyway
             self._abandoned.add(old)
-            if location.size(ABANDONED_NAME) is not None and lineage.marker_applies(
-                location.read_bytes(ABANDONED_NAME), manifest
-            ):
+            if lineage.abandonment_of(location, manifest, location.list_files()) is not None:
                 continue  # an earlier rollback's marker still says so (and some mounts refuse rewrites)
             location.publish_bytes(
                 ABANDONED_NAME,
