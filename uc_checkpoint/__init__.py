@@ -37,8 +37,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .data_loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
-    from .data_tracker import DataTracker, ShardSpec
+    from .data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
+    from .data.tracker import DataTracker, ShardSpec
     from .describe import describe_checkpoint, list_root
     from .garbage import GCReport, collect_garbage
     from .manager import CheckpointManager
@@ -54,11 +54,11 @@ _LAZY = {
     "UCVolumeReader": ".reader",
     "UCVolumeWriter": ".writer",
     "CheckpointManager": ".manager",
-    "DataTracker": ".data_tracker",
-    "ShardSpec": ".data_tracker",
-    "TrackedDataLoader": ".data_loading",
-    "TrackedShardDataset": ".data_loading",
-    "TrackerStateful": ".data_loading",
+    "DataTracker": ".data.tracker",
+    "ShardSpec": ".data.tracker",
+    "TrackedDataLoader": ".data.loading",
+    "TrackedShardDataset": ".data.loading",
+    "TrackerStateful": ".data.loading",
     "collect_garbage": ".garbage",
     "GCReport": ".garbage",
     "list_root": ".describe",

@@ -1,0 +1,205 @@
+"""uc_checkpoint.data.state and the tracker's move into uc_checkpoint.data: the saved dict's format is
+byte-for-byte what it was, every malformed state is a TrackerStateError (a ValueError too), the old
+module paths are the very same modules, and data/ stays apart from the rest of the package."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import uc_checkpoint
+from uc_checkpoint.data import intervals, loading, state, tracker
+from uc_checkpoint.data.intervals import Interval, ShardSpec
+from uc_checkpoint.data.state import TrackerState, merge_local_states
+from uc_checkpoint.data.tracker import DataTracker, TrackerConfig
+from uc_checkpoint.errors import TrackerStateError, UCCheckpointError
+
+PACKAGE = Path(uc_checkpoint.__file__).resolve().parent
+SHARDS = [ShardSpec(f"s{i}", n) for i, n in enumerate([7, 0, 13, 5, 9])]
+FINGERPRINT = "399a0e582daa0c8241ebcf669b4dec6c45b3b33e8299cbf71a5d91955cd56067"
+# global_state() of two ranks with two workers each after recording (3, 4) and (1, 5) samples,
+# captured from the tracker before it moved into uc_checkpoint.data (data_tracker.py, format 1).
+SAVED = {
+    "format": 1,
+    "fingerprint": FINGERPRINT,
+    "seed": 3,
+    "epoch": 0,
+    "remaining": [[0, 3, 7], [3, 0, 2], [2, 1, 6], [2, 7, 13], [4, 0, 1], [4, 6, 9]],
+    "samples_consumed_in_epoch": 13,
+    "num_shards": 5,
+    "shards": [["s0", 7], ["s1", 0], ["s2", 13], ["s3", 5], ["s4", 9]],
+}
+SAVED_JSON = (
+    '{"format":1,"fingerprint":"' + FINGERPRINT + '","seed":3,"epoch":0,"remaining":[[0,3,7],[3,0,2],'
+    '[2,1,6],[2,7,13],[4,0,1],[4,6,9]],"samples_consumed_in_epoch":13,"num_shards":5,"shards":[["s0",7],'
+    '["s1",0],["s2",13],["s3",5],["s4",9]]}'
+)
+
+
+def saved_by_two_ranks(include_shard_list: bool = True) -> dict:
+    ts = [DataTracker(SHARDS, seed=3, rank=r, world_size=2, num_workers=2) for r in range(2)]
+    for t, (a, b) in zip(ts, [(3, 4), (1, 5)]):
+        t.record(0, a)
+        t.record(1, b)
+    return ts[0].global_state([t.local_state() for t in ts], include_shard_list=include_shard_list)
+
+
+def test_global_state_is_the_dict_the_old_tracker_wrote() -> None:
+    saved = saved_by_two_ranks()
+    assert saved == SAVED and list(saved) == list(SAVED)  # the same keys in the same order
+    assert json.dumps(saved, separators=(",", ":")) == SAVED_JSON
+    without = saved_by_two_ranks(include_shard_list=False)
+    assert without == {k: v for k, v in SAVED.items() if k != "shards"}
+
+
+def test_tracker_state_round_trips_the_saved_dict() -> None:
+    parsed = TrackerState.from_dict(copy.deepcopy(SAVED))
+    assert parsed.remaining[0] == Interval(0, 3, 7) and parsed.shards is not None
+    assert parsed.to_dict() == SAVED and list(parsed.to_dict()) == list(SAVED)
+    parsed.check_fits(SHARDS)
+    no_list = {k: v for k, v in SAVED.items() if k != "shards"}
+    assert TrackerState.from_dict(no_list).to_dict() == no_list
+
+
+def test_a_state_saved_before_the_move_loads_and_resumes_the_same() -> None:
+    r = DataTracker(SHARDS, seed=9, world_size=3, rank=1, num_workers=1, batch_size=2)
+    r.load_global_state(copy.deepcopy(SAVED))
+    assert r.seed == 3 and r.config.seed == 3 and r.work_from_checkpoint
+    assert r.assignment_id == "831c906f992c7f9b"  # as computed before the move
+    assert r.consumer_slices(0) == [Interval(2, 3, 6), Interval(2, 7, 11)]
+
+
+def test_tracker_state_error_is_both_ours_and_a_value_error() -> None:
+    assert issubclass(TrackerStateError, UCCheckpointError) and issubclass(TrackerStateError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"format": True}, "unsupported data tracker state format True"),
+        ({"epoch": "1"}, "epoch must be an int"),
+        ({"extra": 1}, "unknown keys"),
+        ({"remaining": [[0, 0, 3], [2, 0, 1], [0, 4, 5]]}, "returns to shard 0"),
+        ({"remaining": [[0, 0, 8]]}, "exceeds its shard 's0'"),
+        ({"shards": [["s0", 7]]}, "'shards' must list num_shards=5"),
+    ],
+)
+def test_from_dict_refuses_malformed_states(change: dict, match: str) -> None:
+    with pytest.raises(TrackerStateError, match=match):
+        TrackerState.from_dict({**SAVED, **change})
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_shards": 4, "shards": [["s0", 7]] * 4, "remaining": []}, "num_shards is 4"),
+        ({"samples_consumed_in_epoch": 3}, "samples_consumed_in_epoch 3 \\+ 21 remaining"),
+        ({"shards": [["s0", 7], ["s1", 0], ["s2", 13], ["s3", 5], ["s4", 10]]}, "shards list disagrees"),
+    ],
+)
+def test_check_fits_refuses_states_that_contradict_their_fingerprint(change: dict, match: str) -> None:
+    with pytest.raises(TrackerStateError, match=match):
+        TrackerState.from_dict({**SAVED, **change}).check_fits(SHARDS)
+
+
+def test_merge_local_states_orders_consumers_by_rank() -> None:
+    locals_ = [
+        {"rank": 1, "consumed": [2, 0], "epoch": 0, "assignment": "a"},
+        {"rank": 0, "consumed": [1, 3], "epoch": 0, "assignment": "a"},
+    ]
+    merged = merge_local_states(
+        locals_, world_size=2, workers_per_rank=2, epoch=0, assignment="a", slice_sizes=[3, 3, 3, 3]
+    )
+    assert merged == [1, 3, 2, 0]
+    with pytest.raises(TrackerStateError, match="from epoch 0 / assignment a"):
+        merge_local_states(locals_, world_size=2, workers_per_rank=2, epoch=0, assignment="b", slice_sizes=[3, 3, 3, 3])
+
+
+def test_tracker_config_is_checked_frozen_and_builds_the_same_tracker() -> None:
+    config = TrackerConfig(tuple(SHARDS), seed=3, rank=1, world_size=2, num_workers=2, batch_size=2)
+    assert config.fingerprint == FINGERPRINT and config.total_samples == 34
+    assert config.workers_per_rank == 2 and config.num_consumers == 4
+    with pytest.raises(AttributeError):
+        config.seed = 4  # type: ignore[misc]
+    with pytest.raises(ValueError, match="rank 2 is out of range for world_size 2"):
+        TrackerConfig(tuple(SHARDS), rank=2, world_size=2)
+    a = DataTracker.from_config(config)
+    b = DataTracker(SHARDS, seed=3, rank=1, world_size=2, num_workers=2, batch_size=2)
+    assert a.config == b.config and a.assignment_id == b.assignment_id
+    assert a.consumer_slices(1) == b.consumer_slices(1)
+
+
+def test_follow_is_a_deprecated_alias_of_sync_from_main_process() -> None:
+    main = DataTracker(SHARDS, num_workers=2)
+    worker = copy.deepcopy(main)
+    main.start_epoch(1)
+    main.record(1, 2)
+    assert worker.sync_from_main_process(main.epoch, main.assignment_id, [0, 2])
+    assert worker.consumer_slices(1) == main.consumer_slices(1)
+    with pytest.warns(DeprecationWarning, match="sync_from_main_process"):
+        assert worker.follow(main.epoch, main.assignment_id, [0, 2])
+
+
+def test_restored_epoch_is_continued_once_then_restarted() -> None:
+    """The one field that replaced the _restored/_from_load flags: loaded work is continued by the
+    first start_epoch of its epoch only, and stays "from the checkpoint" until an epoch is started."""
+    t = DataTracker(SHARDS)
+    t.load_global_state(copy.deepcopy(SAVED))
+    generation = t.generation
+    t.start_epoch(0)
+    assert t.generation == generation and t.work_from_checkpoint and t.samples_left() == 21
+    t.start_epoch(0)
+    assert t.generation == generation + 1 and not t.work_from_checkpoint and t.samples_left() == 34
+
+
+def test_old_module_paths_are_the_moved_modules() -> None:
+    import uc_checkpoint.data_loading as old_loading
+    import uc_checkpoint.data_tracker as old_tracker
+
+    assert old_tracker is tracker and old_loading is loading
+    assert uc_checkpoint.DataTracker is tracker.DataTracker and uc_checkpoint.TrackerStateful is loading.TrackerStateful
+    # Private names of the old module still resolve (code that reached into it, monkeypatching).
+    assert old_tracker._coalesce is intervals.coalesce and old_tracker._state_int is state.state_int
+    # Pickles naming the old module path still load.
+    blob = pickle.dumps(Interval(1, 2, 3), protocol=0).replace(  # text: names end at newlines
+        b"uc_checkpoint.data.intervals", b"uc_checkpoint.data_tracker"
+    )
+    assert b"uc_checkpoint.data_tracker" in blob and pickle.loads(blob) == Interval(1, 2, 3)
+
+
+def test_tracker_pickles_for_spawned_workers() -> None:
+    t = DataTracker(SHARDS, num_workers=2)
+    t.load_global_state(copy.deepcopy(SAVED))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copy_ = pickle.loads(pickle.dumps(t))
+    assert copy_.assignment_id == t.assignment_id and copy_.work_from_checkpoint and copy_.config == t.config
+
+
+def test_data_package_imports_only_errors_and_the_tracker_no_torch() -> None:
+    for path in sorted((PACKAGE / "data").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{path.name}: relative import")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                if name.startswith("uc_checkpoint"):
+                    assert name == "uc_checkpoint.errors" or name.startswith("uc_checkpoint.data"), (path.name, name)
+                if name.startswith("torch"):
+                    assert path.name == "loading.py", (path.name, name)
+    code = (
+        "import sys\n"
+        "import uc_checkpoint.data.tracker, uc_checkpoint.data.state, uc_checkpoint.data.intervals\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=PACKAGE.parent)
