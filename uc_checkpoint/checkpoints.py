@@ -1,20 +1,15 @@
-"""Step-numbered checkpoints under one root: names, listing, and the newest published one."""
+"""Step-numbered checkpoints under one root: names, listing, and the newest published one.
+
+Kept for existing imports: the catalog of checkpoints is :mod:`uc_checkpoint.ops.catalog`, whose
+:class:`~uc_checkpoint.ops.catalog.CheckpointInfo` records and ``latest()`` (newest *intact*
+checkpoint) are what new code should use.
+"""
 
 from __future__ import annotations
 
-import re
-
-from .layout import METADATA_NAME
+from .ops import catalog
+from .ops.catalog import checkpoint_name
 from .volumes import Volume
-
-_STEP_DIR = re.compile(r"^step_(\d+)/?$")
-
-
-def checkpoint_name(step: int) -> str:
-    """The location name of the checkpoint of ``step`` under a root: ``step_00000042``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
 
 
 def list_checkpoints(root: Volume) -> list[tuple[int, str, bool]]:
@@ -22,18 +17,14 @@ def list_checkpoints(root: Volume) -> list[tuple[int, str, bool]]:
 
     ``published`` is true when the location's ``.metadata`` exists: the save finished.
     """
-    out = []
-    for name in root.list_files():
-        match = _STEP_DIR.match(name)
-        if match:
-            child = name.rstrip("/")
-            out.append((int(match.group(1)), child, root.child(child).size(METADATA_NAME) is not None))
-    return sorted(out)
+    return [(info.step, info.name, info.published) for info in catalog.list_steps(root)]
 
 
 def latest_checkpoint(root: Volume) -> tuple[int, str] | None:
-    """``(step, name)`` of the newest published checkpoint under ``root``, or ``None``."""
-    for step, name, published in reversed(list_checkpoints(root)):
-        if published:
-            return step, name
-    return None
+    """``(step, name)`` of the newest published checkpoint under ``root``, or ``None`` (it is not
+    checked to be intact: :func:`uc_checkpoint.ops.catalog.latest` does that)."""
+    found = catalog.latest(root, intact=False)
+    return None if found is None else (found.step, found.name)
+
+
+__all__ = ["checkpoint_name", "latest_checkpoint", "list_checkpoints"]

@@ -1,52 +1,30 @@
 """What is under a checkpoint root and inside one checkpoint, without loading tensors: the
-``uc-checkpoint ls`` and ``inspect`` verbs, and the completeness check ``CheckpointManager.latest()``
-uses. Works on every volume kind (local/FUSE paths, ``s3://``, fsspec URLs)."""
+``uc-checkpoint ls`` and ``inspect`` verbs. What a location holds and whether it is intact is
+:mod:`uc_checkpoint.ops.catalog`'s, shared with ``CheckpointManager.latest()``. Works on every
+volume kind (local/FUSE paths, ``s3://``, fsspec URLs)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
-import time
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .checkpoints import list_checkpoints
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError, one_line
-from .layout import manifest_of, manifest_records, referenced_files
-from .lineage import abandonment_of
+from .errors import VolumeError, one_line
+from .format.manifest import entries_of
+from .metadata_io import manifest_of, read_metadata, referenced_files
+from .ops import catalog
+from .ops.catalog import file_problems, missing_or_short
 from .reader import UCVolumeReader
 from .volumes import LocalVolume, Volume, open_volume
 
 logger = logging.getLogger(__name__)
 
 _RANK_OF_FILE = re.compile(r"^__(\d+)_")
-
-
-def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -> dict[str, str]:
-    """What is wrong with the data files a published checkpoint references, judged from a listing
-    (``files``: name -> bytes): ``{name: problem}`` for every file that is missing or has another
-    size than the manifest recorded (or less than its items need). Empty when every file is there
-    whole (checksums are :mod:`uc_checkpoint.verify`'s job)."""
-    exact = {name: rec.size for name, rec in manifest_records(manifest_of(metadata)).items()}
-    out: dict[str, str] = {}
-    for name, least in sorted(referenced_files(metadata).items()):
-        want = exact.get(name)
-        if name not in files:
-            out[name] = f"{location.describe(name)} is missing"
-        elif (want is not None and files[name] != want) or files[name] < least:
-            out[name] = (
-                f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
-            )
-    return out
-
-
-def missing_or_short(location: Volume, metadata: Metadata, files: dict[str, int]) -> str | None:
-    """The first of :func:`file_problems`, or None when the checkpoint's files are all there whole."""
-    return next(iter(file_problems(location, metadata, files).values()), None)
 
 
 @dataclass
@@ -94,39 +72,20 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
         raise VolumeError(
             f"checkpoint root {volume.url} " + ("is not a directory" if volume.root.exists() else "does not exist")
         )
-    now = time.time()
-    out = []
-    for step, name, published in list_checkpoints(volume):
-        location = volume.child(name)
-        files = {n: s for n, s in location.list_files().items() if s >= 0}
-        mtimes = location.list_mtimes()
-        problem = None
-        abandoned = False
-        if published:
-            try:
-                metadata = UCVolumeReader(location).load_metadata()
-                problem = missing_or_short(location, metadata, files)
-                if problem is None:
-                    problem = abandonment_of(location, manifest_of(metadata), files)
-                    abandoned = problem is not None
-            except CorruptCheckpointError as exc:
-                problem = str(exc)
-            except CheckpointNotFoundError:
-                published = False  # unpublished (retention, a re-save) since it was listed
-        state = "incomplete" if not published else ("abandoned" if abandoned else "broken" if problem else "complete")
-        out.append(
-            CheckpointSummary(
-                step=step,
-                name=name,
-                location=location.url,
-                state=state,
-                bytes=sum(files.values()),
-                files=sum(1 for n in files if n.endswith(".distcp")),
-                age_s=(now - max(mtimes.values())) if mtimes else None,
-                problem=problem,
-            )
+    return [
+        CheckpointSummary(
+            step=info.step,
+            name=info.name,
+            location=volume.child(info.name).url,
+            state=info.state or "incomplete",
+            bytes=info.bytes or 0,
+            files=info.files or 0,
+            age_s=info.age_s,
+            # An unpublished location has no problem to show, even one unpublished while listed.
+            problem=info.problem if info.state in ("broken", "abandoned") else None,
         )
-    return out
+        for info in catalog.scan(volume)
+    ]
 
 
 def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> dict[str, Any]:
@@ -142,7 +101,7 @@ def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> d
         CorruptCheckpointError: the ``.metadata`` is unreadable or unsafe.
     """
     volume = location if isinstance(location, Volume) else open_volume(location)
-    metadata = UCVolumeReader(volume).load_metadata()
+    metadata = read_metadata(volume)
     items = []
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
@@ -163,8 +122,7 @@ def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> d
         elif isinstance(md, BytesStorageMetadata):
             items.append({"key": key, "kind": "bytes", "dtype": None, "shape": None, "bytes": None, "chunks": 1})
     manifest = manifest_of(metadata) or {}
-    records = manifest_records(manifest)
-    sizes = {name: rec.size for name, rec in records.items()}
+    sizes = {name: entry.size for name, entry in entries_of(manifest).items()}
     if not sizes:  # stock FileSystemWriter checkpoints carry no manifest: list the files instead
         listing = volume.list_files()
         sizes = {name: listing.get(name, -1) for name in referenced_files(metadata)}

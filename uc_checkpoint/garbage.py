@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoints import list_checkpoints
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
-from .layout import ABANDONED_NAME, METADATA_NAME, data_file_names, is_checkpoint_file
-from .reader import UCVolumeReader
+from .layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file
+from .metadata_io import data_file_names, read_metadata
+from .ops.catalog import list_steps
 from .staging import default_staging_root
 from .volumes import LocalVolume, Volume, open_volume
 
@@ -61,7 +61,7 @@ def _collect_location(
     mtimes = location.list_mtimes()
     if published:
         try:
-            metadata = UCVolumeReader(location).load_metadata()
+            metadata = read_metadata(location)
         except CorruptCheckpointError as exc:
             # Unreadable metadata: we cannot tell which files it needs. Leave all of it for a human.
             logger.warning("gc: leaving %s alone: %s", location.url, exc)
@@ -164,9 +164,9 @@ def collect_garbage(
         _collect_location(volume, METADATA_NAME in root_files, cutoff, report, remove_empty=False)
         if not dry_run:
             report.aborted_uploads += volume.abort_incomplete_uploads(older_than_s=grace_s)
-    for _step, name, published in list_checkpoints(volume):
-        location = volume.child(name)
-        _collect_location(location, published, cutoff, report)
+    for info in list_steps(volume):
+        location = volume.child(info.name)
+        _collect_location(location, info.published, cutoff, report)
         if not dry_run:
             report.aborted_uploads += location.abort_incomplete_uploads(older_than_s=grace_s)
     if include_staging:

@@ -30,19 +30,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
+from .format.manifest import MANIFEST_FORMAT as MANIFEST_FORMAT
+from .format.manifest import READABLE_FORMATS, Manifest, entries_of
+from .format.manifest import TRAILER_FORMATS as TRAILER_FORMATS
 from .integrity import FileRecord
+
+if TYPE_CHECKING:  # DCP's types, for annotations only: naming files needs no torch
+    from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 MANIFEST_ATTR = "uc_manifest"
-MANIFEST_FORMAT = 3
-_READABLE_FORMATS = (1, 2, 3)
-#: Manifest formats whose ``.metadata`` must carry the checksum trailer.
-TRAILER_FORMATS = (3,)
+# The manifest's format numbers live with the typed manifest (uc_checkpoint.format.manifest).
+_READABLE_FORMATS = READABLE_FORMATS
 
 #: Left by a CheckpointManager in a published checkpoint that a rollback abandoned (JSON; see
 #: :mod:`uc_checkpoint.lineage`). It annotates the checkpoint: a save that replaces the checkpoint
@@ -95,53 +97,41 @@ def build_manifest(
     save_id: str, records: Iterable[FileRecord], saved_by: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The manifest dict for the files of one save (see the module docstring); ``saved_by``
-    (``{"host": str, "pid": int, "time": unix seconds}``) says which process published it."""
-    manifest: dict[str, Any] = {
-        "format": MANIFEST_FORMAT,
-        "save_id": save_id,
-        "checksum": "crc32",
-        "files": {
-            r.name: {"size": r.size, "crc32": r.crc32, "block_size": r.block_size, "blocks": r.block_crc32}
-            for r in records
-        },
-    }
-    if saved_by is not None:
-        manifest["saved_by"] = dict(saved_by)
-    return manifest
+    (``{"host": str, "pid": int, "time": unix seconds}``) says which process published it.
+    :meth:`Manifest.build` then :meth:`Manifest.to_dict`."""
+    return Manifest.build(save_id, records, saved_by).to_dict()
 
 
 def manifest_of(metadata: Metadata) -> Mapping[str, Any] | None:
-    """The manifest stored in ``metadata``, or ``None`` for checkpoints written by other writers."""
-    manifest = getattr(metadata, MANIFEST_ATTR, None)
-    if isinstance(manifest, Mapping) and manifest.get("format") in _READABLE_FORMATS:
-        return manifest
-    return None
+    """The manifest stored in ``metadata``, or ``None`` for checkpoints written by other writers.
+    See :func:`uc_checkpoint.metadata_io.manifest_of` (imported here when called: this module
+    does not import torch)."""
+    from .metadata_io import manifest_of as _manifest_of
+
+    return _manifest_of(metadata)
 
 
 def manifest_records(manifest: Mapping[str, Any] | None) -> dict[str, FileRecord]:
-    """The manifest's files as :class:`FileRecord` by name (empty without a manifest)."""
-    out: dict[str, FileRecord] = {}
-    for name, entry in ((manifest or {}).get("files") or {}).items():
-        out[name] = FileRecord(
-            name=name,
-            size=int(entry["size"]),
-            crc32=str(entry["crc32"]),
-            block_size=int(entry.get("block_size", 0)),
-            block_crc32=bytes(entry.get("blocks", b"")),
-        )
-    return out
+    """The manifest's files as :class:`FileRecord` by name (empty without a manifest).
+
+    Raises:
+        KeyError / TypeError / ValueError / AttributeError: a record is malformed
+            (:func:`uc_checkpoint.format.manifest.entries_of`).
+    """
+    return {name: entry.to_record() for name, entry in entries_of(manifest).items()}
 
 
 def referenced_files(metadata: Metadata) -> dict[str, int]:
-    """Data files the metadata points at, with the minimum size each must have (end of the last
-    item stored in it, in bytes)."""
-    need: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = info.relative_path
-        need[name] = max(need.get(name, 0), info.offset + info.length)
-    return need
+    """Data files the metadata points at, with the minimum size each must have (bytes); see
+    :func:`uc_checkpoint.metadata_io.referenced_files`."""
+    from .metadata_io import referenced_files as _referenced_files
+
+    return _referenced_files(metadata)
 
 
 def data_file_names(metadata: Metadata) -> set[str]:
-    """Every data file a checkpoint's metadata refers to: in its storage data or its manifest."""
-    return set(referenced_files(metadata)) | set(manifest_records(manifest_of(metadata)))
+    """Every data file a checkpoint's metadata refers to; see
+    :func:`uc_checkpoint.metadata_io.data_file_names`."""
+    from .metadata_io import data_file_names as _data_file_names
+
+    return _data_file_names(metadata)

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -33,10 +32,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from . import exit_guard, layout, lineage
-from .checkpoints import checkpoint_name, list_checkpoints
-from .describe import missing_or_short
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, VolumeError, one_line
 from .layout import ABANDONED_NAME, METADATA_NAME
+from .ops import catalog
+from .ops.catalog import checkpoint_name
 from .reader import UCVolumeReader
 from .records import SaveEvent, active_mlflow_run_id, log_to_mlflow
 from .volumes import Volume, open_volume
@@ -50,14 +49,10 @@ POINTER_NAME = "latest"
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One step location under the root. ``published``: its ``.metadata`` exists (the save
-    finished); whether the checkpoint is also intact is what :meth:`CheckpointManager.latest` checks."""
-
-    step: int
-    name: str
-    published: bool
+#: One step location under the root (the catalog's record; :meth:`CheckpointManager.list` fills
+#: ``step``, ``name``, ``published``; whether the checkpoint is also intact is what
+#: :meth:`CheckpointManager.latest` checks).
+CheckpointInfo = catalog.CheckpointInfo
 
 
 class CheckpointManager:
@@ -244,9 +239,7 @@ class CheckpointManager:
         raise AssertionError("unreachable")
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
-        return [
-            CheckpointInfo(s, n, p) for s, n, p in self._retry("list checkpoints", lambda: list_checkpoints(self.root))
-        ]
+        return self._retry("list checkpoints", lambda: catalog.list_steps(self.root))
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every step location under the root, oldest first (published or not).
@@ -256,10 +249,11 @@ class CheckpointManager:
         """
         return self._on_leader("list checkpoints", self._list_local)
 
-    def _problem(self, info: CheckpointInfo) -> str | None:
-        """Why the published checkpoint ``info`` cannot be loaded or must not be resumed, or None
-        when it looks intact: its ``.metadata`` loads, every data file it references is there with
-        its recorded size, and no rollback abandoned it (:mod:`uc_checkpoint.lineage`).
+    def _inspect(self, info: CheckpointInfo) -> CheckpointInfo:
+        """``info`` inspected by the catalog (:func:`uc_checkpoint.ops.catalog.inspect_step`): its
+        ``.metadata`` loads, every data file it references is there with its recorded size, and no
+        rollback abandoned it (:mod:`uc_checkpoint.lineage`). Records the step as abandoned or not
+        whenever its marker was looked at.
 
         Only evidence of damage makes a problem: a missing or short file, a ``.metadata`` that is
         undecodable or unsafe (:class:`CorruptCheckpointError`), or one that vanished since the
@@ -270,35 +264,28 @@ class CheckpointManager:
             VolumeError: the ``.metadata`` cannot be read or the location cannot be listed after
                 ``list_attempts`` attempts, or the store is unusable.
         """
-        location = self.root.child(info.name)
-        reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
-        try:
-            metadata = self._retry(f"read {info.name}/{METADATA_NAME}", reader.load_metadata)
-        except CorruptCheckpointError as exc:
-            return str(exc)
-        except CheckpointNotFoundError as exc:
-            return f"no longer published: {exc}"
-        files = self._retry(f"list {info.name}", location.list_files)
-        manifest = layout.manifest_of(metadata)
-        abandoned = self._retry(
-            f"read {info.name}/{ABANDONED_NAME}", lambda: lineage.abandonment_of(location, manifest, files)
+        allow_unsafe = bool(self.reader_options.get("allow_unsafe_metadata", False))
+        checked = catalog.inspect_step(
+            self.root, info, retry=self._retry, allow_unsafe=allow_unsafe, rollback_first=True
         )
-        if abandoned is not None:
+        if checked.abandoned:
             self._abandoned.add(info.step)
-            return abandoned
-        self._abandoned.discard(info.step)  # taken back, or saved again since
-        return missing_or_short(location, metadata, files)
+        elif checked.abandoned is not None:
+            self._abandoned.discard(info.step)  # taken back, or saved again since
+        return checked
+
+    def _problem(self, info: CheckpointInfo) -> str | None:
+        """Why the published checkpoint ``info`` cannot be loaded or must not be resumed, or None
+        when it looks intact (see :meth:`_inspect`)."""
+        return self._inspect(info).problem
+
+    def _skipped(self, info: CheckpointInfo) -> None:
+        log = logger.info if info.step in self._abandoned else logger.warning
+        log("checkpoint manager: skipping checkpoint %s: %s", self.root.describe(info.name), info.problem)
 
     def _latest_local(self) -> int | None:
-        for info in reversed(self._list_local()):
-            if not info.published:
-                continue
-            problem = self._problem(info)
-            if problem is None:
-                return info.step
-            log = logger.info if info.step in self._abandoned else logger.warning
-            log("checkpoint manager: skipping checkpoint %s: %s", self.root.describe(info.name), problem)
-        return None
+        found = catalog.latest(self.root, infos=self._list_local(), check=self._inspect, on_skip=self._skipped)
+        return None if found is None else found.step
 
     def latest(self) -> int | None:
         """Step of the newest checkpoint that is published and intact (``.metadata`` loads, every

@@ -22,7 +22,7 @@ import logging
 import pickle
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -34,7 +34,11 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import layout
 from .dcp_compat import _StorageInfo
-from .errors import CorruptCheckpointError, UnsafeMetadataError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError
+from .format import manifest as manifest_format
+
+if TYPE_CHECKING:
+    from .volumes import Volume
 
 logger = logging.getLogger(__name__)
 
@@ -197,8 +201,7 @@ def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Met
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP Metadata (found {type(metadata).__name__})")
     if digest is None:
-        raw_manifest = getattr(metadata, layout.MANIFEST_ATTR, None)
-        if isinstance(raw_manifest, Mapping) and raw_manifest.get("format") in layout.TRAILER_FORMATS:
+        if manifest_format.needs_trailer(getattr(metadata, layout.MANIFEST_ATTR, None)):
             raise CorruptCheckpointError(
                 f"{where} has lost the checksum trailer it was written with (damaged or truncated at its end)"
             )
@@ -209,6 +212,53 @@ def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Met
     except Exception as exc:  # objects of the right classes with missing or odd fields
         raise CorruptCheckpointError(f"{where} is malformed: {type(exc).__name__}: {exc}") from exc
     return metadata
+
+
+def read_metadata(volume: Volume, rank: int | None = None, *, allow_unsafe: bool = False) -> Metadata:
+    """Read, decode and check the ``.metadata`` (or DCP's rank-local ``__<rank>.metadata``) of the
+    checkpoint at ``volume``: one GET, then :func:`load_metadata`. What every tool that needs a
+    checkpoint's metadata calls (``UCVolumeReader.load_metadata`` does the same for a load).
+
+    Args:
+        volume: the checkpoint's location.
+        rank: read the rank-local metadata of this rank instead.
+        allow_unsafe: see :func:`load_metadata`.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist (never saved, or the save did not finish).
+        UnsafeMetadataError / CorruptCheckpointError: see :func:`load_metadata`.
+        TransferError / VolumeError: the store failed to return the file (after its client's retries).
+    """
+    name = layout.metadata_name(rank)
+    data = volume.read_bytes(name)
+    if data is None:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {volume.url}: {volume.describe(name)} does not exist "
+            "(never saved, or the save did not finish)"
+        )
+    return load_metadata(data, volume.describe(name), allow_unsafe=allow_unsafe)
+
+
+def manifest_of(metadata: Metadata) -> Mapping[str, Any] | None:
+    """The manifest dict stored in ``metadata`` (``uc_manifest``), or ``None`` for checkpoints
+    written by other writers or in a format this release does not read."""
+    raw = getattr(metadata, layout.MANIFEST_ATTR, None)
+    return raw if manifest_format.is_readable(raw) else None
+
+
+def referenced_files(metadata: Metadata) -> dict[str, int]:
+    """Data files the metadata points at, with the minimum size each must have (end of the last
+    item stored in it, in bytes)."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        need[name] = max(need.get(name, 0), info.offset + info.length)
+    return need
+
+
+def data_file_names(metadata: Metadata) -> set[str]:
+    """Every data file a checkpoint's metadata refers to: in its storage data or its manifest."""
+    return set(referenced_files(metadata)) | set(manifest_format.entries_of(manifest_of(metadata)))
 
 
 def check_metadata(metadata: Metadata, where: str) -> None:
@@ -233,7 +283,7 @@ def check_metadata(metadata: Metadata, where: str) -> None:
             if not isinstance(value, int) or value < 0:
                 raise CorruptCheckpointError(f"{where}: {info.relative_path!r} has {field} {value!r}")
     _check_items(metadata, storage, where)
-    manifest = layout.manifest_of(metadata)
+    manifest = manifest_of(metadata)
     if manifest is None:
         return
     files = manifest.get("files") or {}
@@ -242,7 +292,7 @@ def check_metadata(metadata: Metadata, where: str) -> None:
     for name in files:
         _check_file_name(name, where, "manifest entry")
     try:
-        layout.manifest_records(manifest)
+        manifest_format.entries_of(manifest)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{where}: the file manifest is malformed: {type(exc).__name__}: {exc}") from exc
 

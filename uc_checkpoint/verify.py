@@ -10,11 +10,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .describe import file_problems
 from .errors import CorruptCheckpointError
 from .integrity import Digest, FileRecord
-from .layout import manifest_of, manifest_records, referenced_files
-from .reader import UCVolumeReader
+from .layout import manifest_records
+from .metadata_io import manifest_of, read_metadata, referenced_files
+from .ops.catalog import file_problems
 from .volumes import Volume, open_volume
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def verify_checkpoint(
     report = VerifyReport(location=volume.url)
     try:
         try:
-            metadata = UCVolumeReader(volume).load_metadata()
+            metadata = read_metadata(volume)
         except CorruptCheckpointError as exc:
             report.problems.append(str(exc))
             return report

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import list_checkpoints
+from ..ops import catalog
 from ..volumes import open_volume
 
 DEMO_SHARDS = 24
@@ -381,7 +381,7 @@ def run_demo(args: argparse.Namespace) -> int:
         outcome = follow(job, time.time() + deadline_each, None if killed_in_flight else kill_at)
         resumes += [e for e in job.events if e["event"] == "resume"]
         if outcome == "killed":
-            published = {step: pub for step, _, pub in list_checkpoints(vol)}
+            published = {info.step: info.published for info in catalog.list_steps(vol)}
             if published.get(kill_at):
                 say(f"  the kill came after checkpoint step {kill_at} was published; killing again at the next one")
                 kill_at += args.save_every
@@ -448,8 +448,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpublished: set[tuple[str, int]]) -> None:
     sizes = {}
-    for step, name, _published in list_checkpoints(vol):
-        sizes[step] = sum(s for s in vol.child(name).list_files().values() if s > 0)
+    for info in catalog.list_steps(vol):
+        sizes[info.step] = sum(s for s in vol.child(info.name).list_files().values() if s > 0)
     say("")
     say(f"{'run':8} {'step':>5} {'size MB':>8} {'blocked s':>10} {'to .metadata s':>15} {'MB/s':>7}  state")
     for job in jobs:

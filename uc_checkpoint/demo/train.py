@@ -33,9 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..checkpoints import checkpoint_name, latest_checkpoint
 from ..data_loading import TrackedDataLoader, TrackedShardDataset
 from ..data_tracker import DataTracker, ShardSpec
+from ..ops import catalog
+from ..ops.catalog import checkpoint_name
 from ..reader import UCVolumeReader
 from ..volumes import open_volume
 from ..writer import UCVolumeWriter
@@ -142,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     start_step = 0
     volume = open_volume(args.volume) if args.volume else None
     if volume is not None:
-        found = latest_checkpoint(volume) if rank == 0 else None
-        box = [found]
+        # The newest intact checkpoint, as CheckpointManager.latest() finds it: a published one
+        # with a missing or short file is skipped, not resumed from.
+        newest = catalog.latest(volume) if rank == 0 else None
+        found = None if newest is None else (newest.step, newest.name)
+        box: list[tuple[int, str] | None] = [found]
         dist.broadcast_object_list(box, src=0)
         found = box[0]
         if found is not None:
