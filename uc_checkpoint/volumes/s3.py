@@ -126,6 +126,10 @@ class S3Volume(Volume):
 
     Raises:
         VolumeError: ``url`` is not ``s3://bucket/...``.
+
+    (Over 250 lines: the client's lifetime and checksum settings, s3transfer's uploads and downloads
+    with their verification, and the error mapping of each S3 call; splitting them would spread one
+    store's behaviour over several classes.)
     """
 
     prefers_ranged_reads = True
