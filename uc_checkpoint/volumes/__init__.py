@@ -1,5 +1,9 @@
 """Volume backends, chosen by URL: a local or FUSE-mounted path, ``s3://`` through boto3, and any
-other fsspec URL."""
+other fsspec URL (``memory://`` included: fsspec's in-memory filesystem).
+
+:class:`MemoryVolume` (a dict of bytes in this process, the test double that ships with the
+library) has no URL: pass the object itself wherever a location is taken; see
+:mod:`uc_checkpoint.volumes.memory` for why ``mem://`` is not a scheme."""
 
 from __future__ import annotations
 
@@ -7,13 +11,24 @@ import os
 from typing import Any
 
 from ..errors import VolumeError
-from .base import FileRecord, Volume
+from .base import Entry, FileRecord, Volume
 from .fsspec_volume import FsspecVolume
 from .local import LocalVolume
 from .locations import local_path_of_file_url, require_location
+from .memory import MemoryStore, MemoryVolume
 from .s3 import S3Volume
 
-__all__ = ["FileRecord", "FsspecVolume", "LocalVolume", "S3Volume", "Volume", "open_volume"]
+__all__ = [
+    "Entry",
+    "FileRecord",
+    "FsspecVolume",
+    "LocalVolume",
+    "MemoryStore",
+    "MemoryVolume",
+    "S3Volume",
+    "Volume",
+    "open_volume",
+]
 
 
 def open_volume(location: str | os.PathLike[str] | Volume, **options: Any) -> Volume:
@@ -22,8 +37,8 @@ def open_volume(location: str | os.PathLike[str] | Volume, **options: Any) -> Vo
     Args:
         location: a local or FUSE path (``str`` or ``PathLike``) or ``file://`` URL
             (:class:`LocalVolume`); ``s3://bucket/prefix`` (:class:`S3Volume`, boto3's default
-            configuration); any other URL fsspec knows (:class:`FsspecVolume`); or a
-            :class:`Volume`, returned as is.
+            configuration); any other URL fsspec knows (:class:`FsspecVolume`, ``memory://``
+            included); or a :class:`Volume` (a :class:`MemoryVolume` among them), returned as is.
         options: keyword arguments for the volume's constructor: :class:`S3Volume`'s
             (``endpoint_url``, ``addressing_style``, ``part_size``, ``checksums``, ...) or an fsspec
             filesystem's storage options. Every URL entry point passes them through

@@ -1,20 +1,62 @@
 """The small interface every volume backend implements.
 
 A :class:`Volume` is a flat namespace of files under one root: a local or FUSE-mounted directory,
-an S3 prefix, or an fsspec URL. The DCP adapters only ever use these calls, so a backend is one
-module with one class. The shape follows fsspec's ``AbstractFileSystem`` (one interface, chosen by
-URL) cut down to what checkpointing needs, and torchsnapshot's storage plugins (write, read, delete).
+an S3 prefix, an fsspec URL, or a dict in memory. The DCP adapters only ever use these calls, so a
+backend is one module with one class. The shape follows fsspec's ``AbstractFileSystem`` (one
+interface, chosen by URL) cut down to what checkpointing needs, and torchsnapshot's storage plugins
+(write, read, delete).
+
+As in fsspec's ``spec.py``, a backend implements a few primitives and the rest is written once here:
+
+- listing: the backend's :meth:`Volume._scan` (one pass over the location, like fsspec's
+  ``ls(detail=True)``, with the backend's error mapping) gives :class:`Entry` records, from which
+  :meth:`~Volume.list_entries`, :meth:`~Volume.list_files`, :meth:`~Volume.list_mtimes`,
+  :meth:`~Volume.exists` and (where the store has no cheaper call) :meth:`~Volume.size` follow;
+- copying: :meth:`~Volume.open_write` and :meth:`~Volume.open_read` give
+  :meth:`~Volume.upload_file` and :meth:`~Volume.download_file` (the checksummed copy and the size
+  checks), unless the backend has a transfer engine of its own (S3: s3transfer);
+- wording: :meth:`~Volume._missing` and :meth:`~Volume._truncated` say "missing" and "truncated" the
+  same way for every backend.
+
+A backend overrides a derived method only where it can do better (S3 answers :meth:`~Volume.size`
+with one HEAD instead of a listing).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from ..errors import CorruptCheckpointError
-from ..integrity import FileRecord
+from ..errors import CorruptCheckpointError, TransferError, UCCheckpointError
+from ..integrity import Digest, FileRecord, copy_stream
 
-__all__ = ["FileRecord", "Volume"]
+__all__ = ["Entry", "FileRecord", "Volume"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One name directly at a location, as one listing reports it (fsspec's ``ls(detail=True)``
+    record, cut down).
+
+    Attributes:
+        name: the file's name relative to the location; a sub-location's ends with ``/``.
+        size: bytes; ``-1`` for a sub-location.
+        mtime: last-modified time (Unix seconds), or ``None`` where the store reports none (and for
+            sub-locations).
+    """
+
+    name: str
+    size: int
+    mtime: float | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        """Whether this is a sub-location (a directory, or a common prefix of an object store)."""
+        return self.name.endswith("/")
 
 
 class Volume(ABC):
@@ -22,6 +64,9 @@ class Volume(ABC):
 
     Implementations must be picklable and cheap to construct: DCP's PROCESS mode pickles the storage
     writer (and so its volume) into a daemon process. Clients, sessions and pools are created lazily.
+
+    (Over 250 lines because it is the whole contract, each call with its errors; the code written
+    once here, the derived listings and the copy loop, is about 80 of them.)
     """
 
     #: The location's canonical URL or path, used in every error message.
@@ -31,9 +76,17 @@ class Volume(ABC):
     #: request costs the same for 1 byte or 1 MiB; a local disk: whole files, streamed).
     prefers_ranged_reads: bool = False
 
-    #: Requests retried so far by this volume's client (throttling, 5xx, timeouts, cut bodies);
-    #: stores without retries leave it at 0. Read it before and after a transfer for its count.
-    retries: int = 0
+    #: The exceptions of the store's own client that :meth:`upload_file` and :meth:`download_file`
+    #: report as :class:`TransferError` (a local disk: ``OSError``; fsspec filesystems raise
+    #: anything). Others propagate unchanged: they are bugs, not store failures.
+    _store_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    @property
+    def retries(self) -> int:
+        """Requests retried so far by this volume's client (0 for stores without retries).
+
+        Throttling, 5xx, timeouts, cut bodies: read it before and after a transfer for its count."""
+        return 0
 
     def describe(self, name: str) -> str:
         """The full URL or path of ``name`` for messages."""
@@ -53,23 +106,98 @@ class Volume(ABC):
                 ``create_parents=False``), or it is not writable. The message names the path.
         """
 
+    # ---- listing: one primitive, the rest derived -----------------------------------------------
     @abstractmethod
+    def _scan(self) -> Sequence[Entry] | None:
+        """The backend's one listing primitive: every name directly at this location, each with
+        what the same listing says of it, or ``None`` when the location does not exist (stores with
+        real directories; an object store's empty prefix is an empty list).
+
+        Raises:
+            VolumeError: the location is a file, or the store says its container does not exist
+                (an S3 bucket); the message names it.
+            TransferError: the store failed to answer (never taken for "empty").
+        """
+
+    def list_entries(self) -> list[Entry]:
+        """Every name directly at this location with its size and time (one listing; ``[]`` if the
+        location does not exist).
+
+        Raises:
+            VolumeError / TransferError: as :meth:`_scan`.
+        """
+        return list(self._scan() or ())
+
     def list_files(self) -> dict[str, int]:
         """Names and sizes (bytes) of the files directly at this location; ``{}`` if it does not
-        exist. Sub-locations are listed as names ending in ``/`` with size ``-1``."""
+        exist. Sub-locations are listed as names ending in ``/`` with size ``-1``.
+
+        Raises:
+            VolumeError / TransferError: as :meth:`_scan`.
+        """
+        return {entry.name: entry.size for entry in self.list_entries()}
 
     def list_mtimes(self) -> dict[str, float]:
         """Last-modified time (Unix seconds) of each file directly at this location; ``{}`` if it
         does not exist. Garbage collection uses it to spare files a save may still be writing. A
-        store that does not report times returns none, and nothing of it is collected by age."""
-        return {}
+        store that does not report times returns none, and nothing of it is collected by age.
 
-    @abstractmethod
+        Raises:
+            VolumeError / TransferError: as :meth:`_scan`.
+        """
+        return {e.name: e.mtime for e in self.list_entries() if not e.is_dir and e.mtime is not None}
+
+    def exists(self) -> bool:
+        """Whether the location is there to hold checkpoints: ``False`` when it is missing, on stores
+        that have real directories (a local path). Stores without directories (object stores) have
+        no location to be missing: every prefix exists, empty or not.
+
+        Callers that must tell "missing" from "present but empty" (``ls`` and ``gc`` of a root) ask
+        this instead of testing the volume's kind.
+
+        Raises:
+            VolumeError: the location is a file, not a directory; the message names it.
+            TransferError: the store failed to answer.
+        """
+        return self._scan() is not None
+
     def size(self, name: str) -> int | None:
-        """Size of ``name`` in bytes, or ``None`` if it does not exist."""
+        """Size of ``name`` in bytes, or ``None`` if it does not exist (or is a sub-location).
+
+        Derived from one listing; backends with a cheaper call (``stat``, ``HEAD``) override it.
+
+        Raises:
+            VolumeError / TransferError: as :meth:`_scan`.
+        """
+        for entry in self.list_entries():
+            if entry.name == name:
+                return entry.size
+        return None
 
     # ---- data movement ------------------------------------------------------------------------
-    @abstractmethod
+    def open_write(self, name: str, *, sync: bool = True) -> AbstractContextManager[BinaryIO]:
+        """Copy primitive: a binary stream that becomes the file ``name`` when the ``with`` block
+        ends without an error (durable then, with ``sync``). A backend that keeps the default
+        :meth:`upload_file` implements it.
+
+        Raises:
+            NotImplementedError: the backend overrides :meth:`upload_file` instead (S3).
+            The store's errors (:attr:`_store_errors`) as its client raises them.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no open_write; it overrides upload_file")
+
+    def open_read(self, name: str) -> AbstractContextManager[tuple[BinaryIO, int]]:
+        """Copy primitive: ``name`` opened for reading, with its size in bytes as the store reports
+        it. A backend that keeps the default :meth:`download_file` implements it.
+
+        Raises:
+            CorruptCheckpointError: ``name`` does not exist (:meth:`_missing`) or is not a regular
+                file.
+            NotImplementedError: the backend overrides :meth:`download_file` instead (S3).
+            The store's errors (:attr:`_store_errors`) as its client raises them.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no open_read; it overrides download_file")
+
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
         """Copy a finished local file to ``name``, verify what landed, and return its record
         (size, CRC-32, block CRC-32s; see :mod:`uc_checkpoint.integrity`).
@@ -78,12 +206,29 @@ class Volume(ABC):
         ``.metadata`` points at them. With ``sync`` the data is made durable before returning.
         Verification: the size on the volume, and the store's own checksum where it keeps one.
 
+        The default streams ``local_path`` through :meth:`open_write`, checksumming on the way
+        (:func:`~uc_checkpoint.integrity.copy_stream`), then compares :meth:`size` with the bytes
+        sent.
+
         Raises:
             TransferError: the copy failed or landed with another size or checksum; the message
                 names both ends.
         """
+        where = self.describe(name)
+        digest = Digest()
+        try:
+            with open(local_path, "rb") as src, self.open_write(name, sync=sync) as dst:
+                copy_stream(src, dst, digest)
+        except UCCheckpointError:
+            raise
+        except self._store_errors as exc:
+            raise TransferError(f"uploading {local_path} to {where} failed: {exc}") from exc
+        record = digest.record(name)
+        landed = self.size(name)
+        if landed != record.size:
+            raise TransferError(f"{where} landed with {landed} bytes, expected {record.size}")
+        return record
 
-    @abstractmethod
     def download_file(
         self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
     ) -> FileRecord:
@@ -95,11 +240,38 @@ class Volume(ABC):
         that is ever read: a data file replaced by a huge or endless one (a sparse file, a symlink to
         ``/dev/zero``) cannot fill the staging disk.
 
+        The default opens ``name`` with :meth:`open_read`, checks the size it reports, and copies at
+        most that many bytes, checksumming on the way.
+
         Raises:
             CorruptCheckpointError: ``name`` does not exist, is not a regular file, has another size
                 than ``expected_size`` or less than ``min_size``, or changed size while copied.
             TransferError: the copy failed for another reason.
         """
+        where = self.describe(name)
+        digest = Digest()
+        try:
+            with self.open_read(name) as (src, actual):
+                size = self._check_size(name, actual, expected_size, min_size)
+                with open(local_path, "wb") as dst:
+                    copied = copy_stream(src, dst, digest, limit=size)
+        except UCCheckpointError:
+            raise
+        except self._store_errors as exc:
+            raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
+        self._check_copied(name, copied, size)
+        return digest.record(name)
+
+    # ---- shared wording -----------------------------------------------------------------------
+    def _missing(self, name: str) -> CorruptCheckpointError:
+        """The error for a checkpoint file that is not there (raise it, ``from`` the store's)."""
+        return CorruptCheckpointError(f"checkpoint file {self.describe(name)} is missing")
+
+    def _truncated(self, name: str, start: int, end: int, got: int) -> CorruptCheckpointError:
+        """The error for a read of bytes ``[start, end)`` of ``name`` that gave only ``got`` bytes."""
+        return CorruptCheckpointError(
+            f"checkpoint file {self.describe(name)} is truncated: bytes {start}-{end - 1} needed, got {got}"
+        )
 
     def _check_size(self, name: str, actual: int | None, expected_size: int | None, min_size: int) -> int:
         """The one wording of a missing or wrongly sized data file; returns how many bytes to read:
@@ -107,7 +279,7 @@ class Volume(ABC):
         items need (a stock checkpoint's file may have grown; nothing past them is of use)."""
         where = self.describe(name)
         if actual is None:
-            raise CorruptCheckpointError(f"checkpoint file {where} is missing")
+            raise self._missing(name)
         if expected_size is not None and actual != expected_size:
             raise CorruptCheckpointError(
                 f"checkpoint file {where} has {actual} bytes, the checkpoint recorded {expected_size} "

@@ -21,14 +21,14 @@ listings of the path and its parents (``fs.invalidate_cache``) and asks ``ls``/`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from ..integrity import Digest, FileRecord, copy_stream
-from .base import Volume
+from .base import Entry, Volume
 from .locations import canonical_key_path
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class FsspecVolume(Volume):
     """
 
     prefers_ranged_reads = True
+    _store_errors = (Exception,)  # fsspec filesystems raise their stores' own exception types
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         import fsspec
@@ -134,43 +135,43 @@ class FsspecVolume(Volume):
         except Exception as exc:  # noqa: BLE001 - any filesystem's error, named
             raise VolumeError(f"cannot write checkpoint location {self.url}: {exc}") from exc
 
-    def list_files(self) -> dict[str, int]:
+    def _scan(self) -> list[Entry]:
+        """One ``ls(detail=True)`` of the location (a missing one lists as empty: object-store
+        filesystems cannot tell an empty prefix from a missing one, so none is reported missing)."""
         try:
-            entries = self._ls(self.root)
+            found = self._ls(self.root)
         except FileNotFoundError:
-            return {}
+            return []
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"listing {self.url} failed: {exc}") from exc
-        out: dict[str, int] = {}
-        for entry in entries:
+        out: list[Entry] = []
+        for entry in found:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if not name or entry["name"].rstrip("/") == self.root:
-                continue
+                continue  # the location itself (ls of a file lists the file)
             if entry.get("type") == "directory":
-                out[name + "/"] = -1
+                out.append(Entry(name + "/", -1))
             else:
-                out[name] = int(entry.get("size") or 0)
+                out.append(Entry(name, int(entry.get("size") or 0), _mtime_of(entry)))
         return out
 
-    def list_mtimes(self) -> dict[str, float]:
+    def exists(self) -> bool:
+        """``True`` unless the location is a file (one ``info``): fsspec filesystems on object
+        stores have no directories, and a missing location lists as empty.
+
+        Raises:
+            VolumeError: the location is a file, not a directory.
+            TransferError: the filesystem failed to answer.
+        """
         try:
-            entries = self._ls(self.root)
+            kind = self._info(self.root).get("type")
         except FileNotFoundError:
-            return {}
+            return True
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"listing {self.url} failed: {exc}") from exc
-        out: dict[str, float] = {}
-        for entry in entries:
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if not name or entry.get("type") == "directory":
-                continue
-            # Backends name it differently (local: mtime, s3fs: LastModified, memory: created).
-            stamp = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
-            if hasattr(stamp, "timestamp"):
-                stamp = stamp.timestamp()
-            if isinstance(stamp, (int, float)):
-                out[name] = float(stamp)
-        return out
+            raise TransferError(f"stat of {self.url} failed: {exc}") from exc
+        if kind == "file":
+            raise VolumeError(f"checkpoint location {self.url} is a file, not a directory")
+        return True
 
     def size(self, name: str) -> int | None:
         try:
@@ -182,35 +183,25 @@ class FsspecVolume(Volume):
         return None if info.get("type") == "directory" else int(info.get("size") or 0)
 
     # ---- data movement ------------------------------------------------------------------------
-    def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
-        where = self.describe(name)
-        digest = Digest()
-        try:
-            with open(local_path, "rb") as src, self.fs.open(self._path(name), "wb") as dst:
-                copy_stream(src, dst, digest)
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"uploading {local_path} to {where} failed: {exc}") from exc
-        record = digest.record(name)
-        landed = self.size(name)
-        if landed != record.size:
-            raise TransferError(f"{where} landed with {landed} bytes, expected {record.size}")
-        return record
+    @contextlib.contextmanager
+    def open_write(self, name: str, *, sync: bool = True) -> Iterator[BinaryIO]:
+        """``fs.open(path, "wb")``: object-store filesystems upload the object when it is closed
+        (``sync`` has nothing more to do)."""
+        with self.fs.open(self._path(name), "wb") as dst:
+            yield dst
 
-    def download_file(
-        self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
-    ) -> FileRecord:
-        where = self.describe(name)
-        digest = Digest()
-        size = self._check_size(name, self.size(name), expected_size, min_size)  # size() drops caches
+    @contextlib.contextmanager
+    def open_read(self, name: str) -> Iterator[tuple[BinaryIO, int]]:
+        """``name`` opened with ``fs.open``, after a fresh ``info`` for its size."""
+        size = self.size(name)  # drops the listing caches first
+        if size is None:
+            raise self._missing(name)
         try:
-            with self.fs.open(self._path(name), "rb") as src, open(local_path, "wb") as dst:
-                copied = copy_stream(src, dst, digest, limit=size)
+            src = self.fs.open(self._path(name), "rb")
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
-        self._check_copied(name, copied, size)
-        return digest.record(name)
+            raise self._missing(name) from exc
+        with src:
+            yield src, size
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         where = self.describe(name)
@@ -218,13 +209,11 @@ class FsspecVolume(Volume):
             self._fresh(self._path(name))
             data = self.fs.cat_file(self._path(name), start=start, end=end)
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+            raise self._missing(name) from exc
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}") from exc
         if len(data) != end - start:
-            raise CorruptCheckpointError(
-                f"checkpoint file {where} is truncated: bytes {start}-{end - 1} needed, got {len(data)}"
-            )
+            raise self._truncated(name, start, end, len(data))
         return bytes(data)
 
     def read_bytes(self, name: str) -> bytes | None:
@@ -270,6 +259,15 @@ class FsspecVolume(Volume):
             pass
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc
+
+
+def _mtime_of(entry: dict[str, Any]) -> float | None:
+    """An ``ls`` record's last-modified time in Unix seconds, or None when it has none."""
+    # Backends name it differently (local: mtime, s3fs: LastModified, memory: created).
+    stamp: Any = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
+    if hasattr(stamp, "timestamp"):
+        stamp = stamp.timestamp()
+    return float(stamp) if isinstance(stamp, (int, float)) else None
 
 
 def _refresh_kwargs(method: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from ..integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
-from .base import Volume
+from .base import Entry, Volume
 from .locations import canonical_key_path, check_bucket_name
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,35 @@ DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_MAX_CONCURRENCY = 8
 #: Attempts per request, first one included.
 DEFAULT_MAX_ATTEMPTS = 8
+
+
+class _Shared:
+    """What a volume shares with the volumes :meth:`S3Volume.child` makes from it: one boto3 client
+    (thread-safe, built on first use by whichever of them needs it first) and the count of the
+    retries its requests needed, which the client's event hook feeds. Everything else (settings,
+    the transfer manager) belongs to each volume. Holds locks and a client, so it never crosses
+    processes: an unpickled volume starts a new one.
+
+    Args:
+        client: a ready boto3 S3 client (the volume then refuses to be pickled), or None.
+    """
+
+    def __init__(self, client: Any = None) -> None:
+        self.client = client
+        self.explicit_client = client is not None
+        self.client_lock = threading.Lock()  # one client is built, even when threads race for it
+        self.retries = 0
+        self.retries_lock = threading.Lock()
+
+    def add_retries(self, n: int) -> None:
+        with self.retries_lock:
+            self.retries += n
+
+    def count_retries(self, parsed: Any = None, **_: Any) -> None:
+        """botocore ``after-call`` hook: the retries behind each successful call."""
+        attempts = ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts") or 0
+        if attempts:
+            self.add_retries(int(attempts))
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -97,6 +126,10 @@ class S3Volume(Volume):
 
     Raises:
         VolumeError: ``url`` is not ``s3://bucket/...``.
+
+    (Over 250 lines: the client's lifetime and checksum settings, s3transfer's uploads and downloads
+    with their verification, and the error mapping of each S3 call; splitting them would spread one
+    store's behaviour over several classes.)
     """
 
     prefers_ranged_reads = True
@@ -143,34 +176,60 @@ class S3Volume(Volume):
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.checksums = checksums
-        self._client = client
-        self._explicit_client = client is not None
+        self._shared = _Shared(client)
         self._transfer: Any = None
-        self._lock = threading.Lock()
-        self._stats_lock = threading.Lock()
-        self.retries = 0
+        self._lock = threading.Lock()  # guards this volume's transfer manager
 
     def __repr__(self) -> str:
         return f"S3Volume({self.url!r})"
 
+    def _settings(self) -> dict[str, Any]:
+        """The constructor's keyword arguments this volume was built with (but the client)."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "region_name": self.region_name,
+            "addressing_style": self.addressing_style,
+            "client_factory": self.client_factory,
+            "multipart_threshold": self.multipart_threshold,
+            "part_size": self.part_size,
+            "max_concurrency": self.max_concurrency,
+            "max_attempts": self.max_attempts,
+            "connect_timeout": self.connect_timeout,
+            "read_timeout": self.read_timeout,
+            "checksums": self.checksums,
+        }
+
+    @property
+    def _client(self) -> Any:
+        """The client if one was built or given (None before first use)."""
+        return self._shared.client
+
+    @property
+    def retries(self) -> int:
+        """Requests retried so far by this volume's client, counted with its :meth:`child` volumes.
+
+        botocore's retries of each call, plus bodies cut off and fetched again."""
+        return self._shared.retries
+
     def __getstate__(self) -> dict[str, Any]:
-        if self._explicit_client:
+        if self._shared.explicit_client:
             raise VolumeError(
                 f"S3Volume({self.url}) holds a boto3 client, which cannot be sent to another process "
                 "(DCP's PROCESS mode pickles the storage writer); pass client_factory= or endpoint_url= "
                 "instead"
             )
         state = dict(self.__dict__)
-        state["_client"] = None
+        state["_shared"] = self._shared.retries  # the count travels; the client and locks do not
         state["_transfer"] = None
         state["_lock"] = None
-        state["_stats_lock"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        retries = state.pop("_shared")
         self.__dict__.update(state)
+        self._shared = _Shared()
+        self._shared.retries = retries
         self._lock = threading.Lock()
-        self._stats_lock = threading.Lock()
 
     def _send_checksums(self) -> bool:
         """Whether uploads carry a CRC-32 for the store to check and keep."""
@@ -187,22 +246,14 @@ class S3Volume(Volume):
     # ---- clients (created on first use) -------------------------------------------------------
     @property
     def client(self) -> Any:
-        """The boto3 S3 client (built on first use)."""
-        with self._lock:
-            if self._client is None:
-                self._client = self._make_client()
+        """The boto3 S3 client (built on first use, shared with :meth:`child` volumes)."""
+        shared = self._shared
+        with shared.client_lock:
+            if shared.client is None:
+                shared.client = self._make_client()
                 # botocore reports the retries behind each successful call; count them for records.
-                self._client.meta.events.register("after-call.s3", self._count_retries)
-            return self._client
-
-    def _count_retries(self, parsed: Any = None, **_: Any) -> None:
-        attempts = ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts") or 0
-        if attempts:
-            self._add_retries(int(attempts))
-
-    def _add_retries(self, n: int) -> None:
-        with self._stats_lock:
-            self.retries += n
+                shared.client.meta.events.register("after-call.s3", shared.count_retries)
+            return shared.client
 
     def _make_client(self) -> Any:
         if self.client_factory is not None:
@@ -262,13 +313,12 @@ class S3Volume(Volume):
         return f"{self.prefix}/" if self.prefix else ""
 
     def child(self, name: str) -> S3Volume:
-        other = S3Volume.__new__(S3Volume)
-        other.__dict__.update(self.__dict__)
-        other.prefix = canonical_key_path(self.key(name), f"{self.url}/{name}").lstrip("/")
-        other.url = f"s3://{self.bucket}/{other.prefix}"
-        other._transfer = None
-        other._lock = threading.Lock()
-        return other  # shares the client: boto3 clients are thread-safe
+        """The prefix ``prefix/name``, built by the constructor with this volume's settings. It
+        shares this volume's client (boto3 clients are thread-safe) and retry count; it has its own
+        transfer manager, so ``max_concurrency`` bounds each volume object's requests."""
+        other = S3Volume(f"{self.url}/{name}", **self._settings())
+        other._shared = self._shared
+        return other
 
     # ---- checks -------------------------------------------------------------------------------
     def prepare_for_write(self, create_parents: bool = True) -> None:
@@ -282,9 +332,11 @@ class S3Volume(Volume):
                 raise VolumeError(f"cannot write {self.url}: access to bucket {self.bucket!r} denied") from exc
             raise VolumeError(f"cannot reach bucket {self.bucket!r} for {self.url}: {exc}") from exc
 
-    def list_files(self) -> dict[str, int]:
+    def _scan(self) -> list[Entry]:
+        """``ListObjectsV2`` with delimiter ``/``, every page: objects with their size and
+        ``LastModified``, common prefixes as sub-locations. An empty prefix is an empty list."""
         prefix = self._dir_prefix()
-        out: dict[str, int] = {}
+        out: list[Entry] = []
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=prefix, Delimiter="/"
@@ -293,9 +345,9 @@ class S3Volume(Volume):
                 for obj in page.get("Contents", []):
                     name = obj["Key"][len(prefix) :]
                     if name:
-                        out[name] = int(obj["Size"])
+                        out.append(Entry(name, int(obj["Size"]), obj["LastModified"].timestamp()))
                 for sub in page.get("CommonPrefixes", []):
-                    out[sub["Prefix"][len(prefix) :]] = -1
+                    out.append(Entry(sub["Prefix"][len(prefix) :], -1))
         except Exception as exc:  # noqa: BLE001
             status, code = _error_info(exc)
             if code == "NoSuchBucket":
@@ -303,24 +355,14 @@ class S3Volume(Volume):
             raise TransferError(f"listing {self.url} failed: {exc}") from exc
         return out
 
-    def list_mtimes(self) -> dict[str, float]:
-        prefix = self._dir_prefix()
-        out: dict[str, float] = {}
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix, Delimiter="/"
-            )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    name = obj["Key"][len(prefix) :]
-                    if name:
-                        out[name] = obj["LastModified"].timestamp()
-        except Exception as exc:  # noqa: BLE001
-            status, code = _error_info(exc)
-            if code == "NoSuchBucket":
-                raise VolumeError(f"cannot list {self.url}: bucket {self.bucket!r} does not exist") from exc
-            raise TransferError(f"listing {self.url} failed: {exc}") from exc
-        return out
+    def exists(self) -> bool:
+        """``True`` without a request: a prefix is never missing (S3 has no directories), and a
+        missing bucket is reported by the first listing or write.
+
+        Raises:
+            Nothing.
+        """
+        return True
 
     def size(self, name: str) -> int | None:
         try:
@@ -398,7 +440,7 @@ class S3Volume(Volume):
             ).result()
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
-                raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+                raise self._missing(name) from exc
             raise TransferError(f"downloading {where} to {local_path} failed: {exc}") from exc
         record = digest_file(local_path).record(name)
         self._check_copied(name, record.size, size)
@@ -412,7 +454,7 @@ class S3Volume(Volume):
             data = self._get(name, f"bytes={start}-{end - 1}")
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
-                raise CorruptCheckpointError(f"checkpoint file {where} is missing") from exc
+                raise self._missing(name) from exc
             status, code = _error_info(exc)
             if status == 416 or code == "InvalidRange":
                 raise CorruptCheckpointError(
@@ -420,9 +462,7 @@ class S3Volume(Volume):
                 ) from exc
             raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}{_hint(exc)}") from exc
         if len(data) != end - start:
-            raise CorruptCheckpointError(
-                f"checkpoint file {where} is truncated: bytes {start}-{end - 1} needed, got {len(data)}"
-            )
+            raise self._truncated(name, start, end, len(data))
         return data
 
     def read_bytes(self, name: str) -> bytes | None:
@@ -457,7 +497,7 @@ class S3Volume(Volume):
                     raise
                 delay = random.uniform(0, min(20.0, 0.1 * 2**attempt))  # full jitter
                 logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.describe(name), exc, attempt, delay)
-                self._add_retries(1)
+                self._shared.add_retries(1)
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
