@@ -1,0 +1,1 @@
+"""Operations on checkpoints under a root: manager, catalog, retention, preemption, lineage, gc, verify."""
