@@ -76,7 +76,7 @@ class _Options(Mapping[str, Any]):
             return cls()
         if isinstance(options, cls):
             return options
-        if isinstance(options, Mapping):
+        if isinstance(options, Mapping) and not isinstance(options, _Options):
             return cls.from_dict(options)
         raise TypeError(f"{cls._FOR} options must be a {cls.__name__} or a dict, got {type(options).__name__}")
 
