@@ -120,10 +120,13 @@ class CheckpointManager:
     every rank. Not thread-safe: call it from the training loop, on every rank, in the same order
     (each call that agrees across ranks is a collective on the manager's own foreground group).
 
-    Length: the class is the one object a training script talks to, so its public methods carry
-    their contract (ranks, errors, units) in docstrings that make up about half its lines; the
-    decisions themselves (retention, preemption flag, options, lineage) live in pure functions
-    of their own modules.
+    Length (about 320 lines of code, over the ~250 the package aims at): this is the one object a
+    training script talks to, and its public methods carry their contract (ranks, errors, units)
+    in docstrings. The decisions live elsewhere: which checkpoints to delete, the preemption flag
+    and the settings in :mod:`uc_checkpoint.ops`, how ranks agree in ``_RankGroup`` below. Still
+    here and next to go: the rollback check before the first save (``_check_rollback``, ~50
+    lines, to :mod:`uc_checkpoint.lineage`) and the intact-checkpoint check behind
+    :meth:`latest` (to the checkpoint catalog).
     """
 
     def __init__(
@@ -173,8 +176,7 @@ class CheckpointManager:
         #: The :class:`~uc_checkpoint.records.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
-        # (background group for DCP's saves, foreground group for agreement), made on first use.
-        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._ranks = _RankGroup(process_group)
         # Lineage (see uc_checkpoint.lineage): the step this manager loaded, whether its first save
         # checked for a rollback, and the steps known to be abandoned (rank 0).
         self._resumed_from: int | None = None
@@ -183,108 +185,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ ranks
 
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
-
-    def _is_leader(self) -> bool:
-        return not self._distributed() or dist.get_rank(self.process_group) == 0
-
-    def _group_pair(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """``(save_group, agree_group)``: two gloo groups over ``process_group``'s ranks, created
-        the first time a collective is needed (every rank of the group reaches that call together).
-
-        Why two, and why not the caller's group: DCP runs a save's collectives (plan gather, result
-        gather, metadata broadcast) in its background thread while the training thread goes on
-        issuing collectives of its own. Two threads issuing collectives on one group pair them in
-        whatever order each rank happens to reach them, which deadlocks as soon as the ranks' orders
-        differ. Background work gets a group nothing else uses; foreground agreement another.
-        ``use_local_synchronization`` keeps ranks outside the group out of the call and leaves the
-        default group's counter of group names alone, so the caller's own ``new_group`` calls stay
-        in step on every rank."""
-        if self._groups is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._groups = (
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_save"),
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_agree"),
-            )
-        return self._groups
-
-    def _save_group(self) -> dist.ProcessGroup | None:
-        """Group for DCP's saves (collectives in a background thread); None without a process group."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return self._group_pair()[0] if self._distributed() else self.process_group
-
-    def _agree_group(self) -> dist.ProcessGroup | None:
-        """Group for collectives the training thread issues (agreement, loads)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return self._group_pair()[1] if self._distributed() else self.process_group
-
     def _on_leader(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on rank 0 of the group and hand its result, or its failure, to every rank.
-
-        A failure is raised on every rank as the same class with the same message: rank 0 raises
-        its own exception; the others rebuild it from its class name and message
-        (:func:`uc_checkpoint.errors.portable_error`), with a :class:`RemoteRankError` naming rank 0
-        and ``what`` as its cause. A class outside our hierarchy (and the builtin errors that can
-        be rebuilt) is a :class:`RemoteRankError` on every rank, rank 0 included.
-        """
-        if not self._distributed():
-            return fn()
-        box: list[Any] = [None]
-        error: Exception | None = None
-        if self._is_leader():
-            try:
-                box[0] = ("ok", fn())
-            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
-                error = exc
-                kind = type(exc).__qualname__
-                kind = kind if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{kind}"
-                box[0] = ("error", (portable_error(exc), kind, str(exc)))
-        dist.broadcast_object_list(box, group=self._agree_group(), group_src=0)
-        status, value = box[0]
-        if status == "ok":
-            return value
-        portable, kind, message = value
-        remote = RemoteRankError(f"rank 0 failed to {what} under {self.root.url}: {kind}: {message}", kind)
-        if portable is None:
-            raise remote from error
-        if error is not None:
-            raise error
-        raise rebuild_error(*portable) from remote
+        """Run ``fn`` on rank 0 of the group; every rank gets its result or the same error."""
+        return self._ranks.on_leader(f"{what} under {self.root.url}", fn)
 
     # ------------------------------------------------------------------ listing
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried on :class:`TransferError` (``list_attempts`` attempts, backoff doubling
-        from ``list_backoff_s`` seconds up to 10 s).
+        """``fn()``, retried on :class:`TransferError` (:func:`_retry_transfers`).
 
         Raises:
-            VolumeError: still failing after the last attempt (the TransferError is its cause);
-                other errors of ``fn`` are raised at once.
+            VolumeError: still failing after ``list_attempts`` attempts (the TransferError is its
+                cause); other errors of ``fn`` are raised at once.
         """
-        delay = self.list_backoff_s
-        for attempt in range(1, self.list_attempts + 1):
-            try:
-                return fn()
-            except TransferError as exc:
-                # Throttling and network errors (already retried by the store's client). A missing
-                # bucket or a root that is a file is a VolumeError and not worth retrying.
-                if attempt == self.list_attempts:
-                    raise VolumeError(f"cannot {what} under {self.root.url} after {attempt} attempts: {exc}") from exc
-                logger.warning(
-                    "checkpoint manager: %s under %s failed (attempt %d of %d), retrying in %.1f s: %s",
-                    what,
-                    self.root.url,
-                    attempt,
-                    self.list_attempts,
-                    delay,
-                    exc,
-                )
-                time.sleep(delay)
-                delay = min(2 * delay, 10.0)
-        raise AssertionError("unreachable")
+        return _retry_transfers(f"{what} under {self.root.url}", fn, self.list_attempts, self.list_backoff_s)
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         return [
@@ -391,9 +305,9 @@ class CheckpointManager:
             self._lineage_checked = True
         location = self.root.child(name)
         writer = UCVolumeWriter(location, staging_dir=self.staging_dir, **self.writer_options)
-        leader = self._is_leader()
+        leader = self._ranks.is_leader()
         run_id = active_mlflow_run_id() if leader else None
-        group = self._save_group()
+        group = self._ranks.save_group()
         pending = _PendingSave(step, location.url, leader, run_id, asynchronous)  # starts the clock
         try:
             fut = self._start_save(state_dict, writer, group, asynchronous)
@@ -632,9 +546,9 @@ class CheckpointManager:
         """Whether any rank received a preemption signal. With several ranks this is a collective
         (an all-reduce over the group): every rank must call it at the same step, and all get the
         same answer, so that they stop and save together."""
-        if not self._distributed():
+        if not self._ranks.distributed():
             return self._preemption.received
-        return any_rank(self._preemption.received, self._agree_group())
+        return any_rank(self._preemption.received, self._ranks.agree_group())
 
     def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
         """The last checkpoint before a preemption: wait for the save in flight, then save ``step``
@@ -698,7 +612,7 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(f"no published checkpoint under {self.root.url}")
         location = self.root.child(checkpoint_name(step))
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
-        dcp.load(state_dict, storage_reader=reader, process_group=self._agree_group())
+        dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
         self._resumed_from = step
         return step
 
@@ -747,3 +661,117 @@ def _relay(source: Future, target: Future) -> None:
         target.set_exception(source.exception())
     else:
         target.set_result(source.result())
+
+
+def _retry_transfers(what: str, fn: Callable[[], T], attempts: int, backoff_s: float) -> T:
+    """``fn()``, retried on :class:`TransferError`: ``attempts`` attempts in all, the delay doubling
+    from ``backoff_s`` seconds up to 10 s.
+
+    Raises:
+        VolumeError: still failing after the last attempt (the TransferError is its cause); other
+            errors of ``fn`` are raised at once.
+    """
+    delay = backoff_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except TransferError as exc:
+            # Throttling and network errors (already retried by the store's client). A missing
+            # bucket or a root that is a file is a VolumeError and not worth retrying.
+            if attempt == attempts:
+                raise VolumeError(f"cannot {what} after {attempt} attempts: {exc}") from exc
+            logger.warning(
+                "checkpoint manager: %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                what,
+                attempt,
+                attempts,
+                delay,
+                exc,
+            )
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
+    raise AssertionError("unreachable")
+
+
+class _RankGroup:
+    """The ranks a :class:`CheckpointManager` works with, and how they agree.
+
+    The manager never issues a collective on the caller's ``process_group`` itself: the first time
+    one is needed, every rank of the group creates two gloo groups over the same ranks, one for
+    DCP's saves (:meth:`save_group`) and one for what the training thread agrees on
+    (:meth:`agree_group`). Why two, and why not the caller's group: DCP runs a save's collectives
+    (plan gather, result gather, metadata broadcast) in its background thread while the training
+    thread goes on issuing collectives of its own. Two threads issuing collectives on one group
+    pair them in whatever order each rank happens to reach them, which deadlocks as soon as the
+    ranks' orders differ. Background work gets a group nothing else uses; foreground agreement
+    another. ``use_local_synchronization`` keeps ranks outside the group out of the call and leaves
+    the default group's counter of group names alone, so the caller's own ``new_group`` calls stay
+    in step on every rank.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self.process_group = process_group
+        self._pair: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (save, agree)
+
+    def distributed(self) -> bool:
+        """Whether more than one rank takes part (else every call is local)."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+
+    def is_leader(self) -> bool:
+        """Rank 0 of the group, or the only process."""
+        return not self.distributed() or dist.get_rank(self.process_group) == 0
+
+    def _groups(self, index: int) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if not self.distributed():
+            return self.process_group
+        if self._pair is None:
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._pair = (
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_save"),
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_agree"),
+            )
+        return self._pair[index]
+
+    def save_group(self) -> dist.ProcessGroup | None:
+        """Group for DCP's saves (collectives in a background thread); None without a process group."""
+        return self._groups(0)
+
+    def agree_group(self) -> dist.ProcessGroup | None:
+        """Group for collectives the training thread issues (agreement, loads)."""
+        return self._groups(1)
+
+    def on_leader(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 of the group and hand its result, or its failure, to every rank
+        (a collective on :meth:`agree_group`; ``what`` names the operation in messages).
+
+        A failure is raised on every rank as the same class with the same message: rank 0 raises
+        its own exception; the others rebuild it from its class name and message
+        (:func:`uc_checkpoint.errors.portable_error`), with a :class:`RemoteRankError` naming rank 0
+        and ``what`` as its cause. A class outside our hierarchy (and the builtin errors that can
+        be rebuilt) is a :class:`RemoteRankError` on every rank, rank 0 included.
+        """
+        if not self.distributed():
+            return fn()
+        box: list[Any] = [None]
+        error: Exception | None = None
+        if self.is_leader():
+            try:
+                box[0] = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                error = exc
+                kind = type(exc).__qualname__
+                kind = kind if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{kind}"
+                box[0] = ("error", (portable_error(exc), kind, str(exc)))
+        dist.broadcast_object_list(box, group=self.agree_group(), group_src=0)
+        status, value = box[0]
+        if status == "ok":
+            return value
+        portable, kind, message = value
+        remote = RemoteRankError(f"rank 0 failed to {what}: {kind}: {message}", kind)
+        if portable is None:
+            raise remote from error
+        if error is not None:
+            raise error
+        raise rebuild_error(*portable) from remote
