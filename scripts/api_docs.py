@@ -20,6 +20,8 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.writer", ["UCVolumeWriter"]),
     ("uc_checkpoint.reader", ["UCVolumeReader"]),
     ("uc_checkpoint.manager", ["CheckpointManager", "CheckpointInfo"]),
+    ("uc_checkpoint.ops.options", ["WriterOptions", "ReaderOptions"]),
+    ("uc_checkpoint.ops.retention", ["steps_to_delete"]),
     ("uc_checkpoint.volumes", ["open_volume", "Volume", "LocalVolume", "S3Volume", "FsspecVolume"]),
     ("uc_checkpoint.data_tracker", ["DataTracker", "ShardSpec"]),
     ("uc_checkpoint.data_loading", ["TrackedDataLoader", "TrackedShardDataset", "TrackerStateful"]),

@@ -302,10 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"uc-checkpoint {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:  # DCP's CheckpointException is a BaseException carrying our errors
-        if type(exc).__name__ != "CheckpointException":
+        if not _is_dcp_failure(exc):
             raise
         print(f"uc-checkpoint {args.command}: error: {rank_error(exc)}", file=sys.stderr)
         return 2
+
+
+def _is_dcp_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is DCP's ``CheckpointException``. DCP is imported only if something already
+    did (a verb that loaded a checkpoint): the CLI starts without torch, and an exception cannot
+    come from a module nobody imported (a Ctrl-C must not wait for torch to import)."""
+    if "torch.distributed.checkpoint" not in sys.modules:
+        return False
+    from torch.distributed.checkpoint import CheckpointException
+
+    return isinstance(exc, CheckpointException)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ failing rank (``exc.failures[rank]``).
 
 from __future__ import annotations
 
+import builtins
+
 
 class UCCheckpointError(Exception):
     """Base class of every error raised by uc_checkpoint."""
@@ -67,6 +69,27 @@ class DataLoadingError(UCCheckpointError):
     shard or argument, or says which iterator to create instead."""
 
 
+class ItemChecksumError(CorruptCheckpointError, ValueError):
+    """An item archive laid out exactly as its template whose storage record fails its CRC-32: the
+    tensor's bytes were damaged after they were written (``torch.load`` would not notice). Raised
+    by :meth:`uc_checkpoint.item_codec.ItemCodec.decode`; a ``ValueError`` too, as it was before it
+    joined this hierarchy."""
+
+
+class RemoteRankError(UCCheckpointError):
+    """An operation one rank ran for the whole group (the manager's rank 0 lists, validates and
+    prunes) failed with an exception outside this module's hierarchy and the builtin errors that
+    can be rebuilt from a message (e.g. a third-party client's own error type). Every rank of the
+    group raises this, the failing rank included (there with the original as ``__cause__``), so
+    that ``except`` clauses match alike on every rank. The message names the operation, the
+    location and the original ``Type: message``; :attr:`original_type` is the original's qualified
+    class name."""
+
+    def __init__(self, message: str, original_type: str = "") -> None:
+        super().__init__(message)
+        self.original_type = original_type
+
+
 class UnsafeMetadataError(CorruptCheckpointError):
     """A checkpoint's ``.metadata`` pickle names a global (a function or class) that is not part of
     DCP's metadata format, so it was not unpickled: loading it could run arbitrary code. The message
@@ -88,3 +111,55 @@ def one_line(exc: BaseException) -> str:
     """``rank_error(exc)`` as ``"Type: message"`` on one line, for logs, records and the CLI."""
     inner = rank_error(exc)
     return f"{type(inner).__name__}: {inner}".splitlines()[0]
+
+
+#: Builtin exceptions another rank may rebuild from a message alone (their constructors take one
+#: string and print it back unchanged; KeyError, for one, quotes it and is left out).
+_PORTABLE_BUILTINS = (
+    "ValueError",
+    "TypeError",
+    "RuntimeError",
+    "NotImplementedError",
+    "TimeoutError",
+    "OSError",
+    "FileNotFoundError",
+    "FileExistsError",
+    "PermissionError",
+    "IsADirectoryError",
+    "NotADirectoryError",
+    "ConnectionError",
+)
+
+
+def _portable_classes() -> dict[str, type[Exception]]:
+    ours = {
+        name: value
+        for name, value in globals().items()
+        if isinstance(value, type) and issubclass(value, UCCheckpointError) and value is not RemoteRankError
+    }
+    return {**{name: getattr(builtins, name) for name in _PORTABLE_BUILTINS}, **ours}
+
+
+def portable_error(exc: BaseException) -> tuple[str, str] | None:
+    """``(class name, message)`` another rank can rebuild ``exc`` from with :func:`rebuild_error`:
+    the nearest class in ``exc``'s MRO that is defined in this module (or is one of a few builtin
+    errors such as ``ValueError`` and ``OSError``), and ``str(exc)``. None when no such class is
+    an ancestor (the caller raises :class:`RemoteRankError` on every rank instead).
+
+    The receiving rank gets the same class as the sender whenever ``exc``'s own class is ours; for
+    a subclass defined elsewhere it gets the nearest of ours, so ``except`` clauses naming our
+    classes match alike on every rank."""
+    known = _portable_classes()
+    for cls in type(exc).__mro__:
+        if known.get(cls.__name__) is cls:
+            return cls.__name__, str(exc)
+    return None
+
+
+def rebuild_error(name: str, message: str) -> Exception:
+    """The exception :func:`portable_error` described as ``(name, message)``; a
+    :class:`RemoteRankError` when ``name`` is not one it produces (a newer peer's class, say)."""
+    cls = _portable_classes().get(name)
+    if cls is None:
+        return RemoteRankError(f"{name}: {message}", original_type=name)
+    return cls(message)

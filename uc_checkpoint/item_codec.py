@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from uc_checkpoint.errors import ItemChecksumError  # re-exported: its home before it joined the hierarchy
+
 logger = logging.getLogger(__name__)
 
 #: Tensors up to this many bytes take the template path; above it the per-item cost of torch.save
@@ -43,11 +45,6 @@ _LOCAL_HEADER = 0x04034B50
 _CENTRAL_HEADER = 0x02014B50
 _DESCRIPTOR = 0x08074B50
 _END_OF_CENTRAL_DIR = 0x06054B50
-
-
-class ItemChecksumError(ValueError):
-    """An item archive laid out exactly as its template whose storage record fails its CRC-32: the
-    tensor's bytes were damaged after they were written (``torch.load`` would not notice)."""
 
 
 @dataclass(frozen=True)

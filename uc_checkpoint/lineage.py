@@ -27,6 +27,8 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from uc_checkpoint.ops.retention import steps_to_delete
+
 
 def abandonment_marker(save_id: str | None, abandoned_by_step: int, resumed_from: int | None) -> bytes:
     """The content of an abandonment marker (JSON, bytes): which checkpoint it applies to
@@ -114,14 +116,14 @@ def retention_plan(
 
     Only checkpoints older than the oldest of the ``keep_last`` newest are ever deleted.
     """
-    if keep_last is None:
-        return []
-    ranked = sorted(published, key=lambda p: (not p[1], p[0]))  # oldest first
-    cut = max(0, len(ranked) - keep_last)
-    keep = set(protect)
-    if keep_every:
-        keep |= {step for step, _ in ranked if step % keep_every == 0}
-    return [step for step, _ in ranked[:cut] if step not in keep]
+    # One policy, written once: this is the (step, abandoned) form of ops.retention's.
+    return steps_to_delete(
+        [step for step, _ in published],
+        keep_last=keep_last,
+        keep_every=keep_every,
+        protect=protect,
+        abandoned={step for step, abandoned in published if abandoned},
+    )
 
 
 __all__ = [

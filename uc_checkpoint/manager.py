@@ -12,6 +12,11 @@
 
 Layout under the root: ``step_<8 digits>/`` per checkpoint (a :class:`UCVolumeWriter` location:
 data files and, once complete, ``.metadata``) and a ``latest`` pointer file for tools.
+
+The policies the manager applies are pure functions of their own modules: which checkpoints
+retention deletes (:mod:`uc_checkpoint.ops.retention`), the preemption flag
+(:mod:`uc_checkpoint.ops.preemption`), the writer's and reader's settings
+(:mod:`uc_checkpoint.ops.options`) and rollbacks (:mod:`uc_checkpoint.lineage`).
 """
 
 from __future__ import annotations
@@ -22,17 +27,32 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
+from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
+from uc_checkpoint.ops.retention import steps_to_delete
+
 from . import exit_guard, layout, lineage
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError, VolumeError, one_line
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RemoteRankError,
+    TransferError,
+    VolumeError,
+    one_line,
+    portable_error,
+    rebuild_error,
+)
 from .layout import ABANDONED_NAME, METADATA_NAME
 from .ops import catalog
 from .ops.catalog import checkpoint_name
@@ -79,16 +99,30 @@ class CheckpointManager:
             checkpoint": that would silently restart training from scratch.
         list_backoff_s: first retry delay in seconds.
         write_pointer: write the ``latest`` pointer file after each published save.
-        writer_options, reader_options: extra keyword arguments for :class:`UCVolumeWriter` and
-            :class:`UCVolumeReader`.
+        writer_options, reader_options: settings of the :class:`UCVolumeWriter` each save creates
+            and the :class:`UCVolumeReader` each load creates: a
+            :class:`~uc_checkpoint.ops.options.WriterOptions` /
+            :class:`~uc_checkpoint.ops.options.ReaderOptions` or a dict of their fields (its
+            fields and units are documented there). Checked here, once: an unknown key or a bad
+            value raises ``TypeError`` / ``ValueError`` naming it.
         volume_options: options for the root's volume when ``root`` is a path or URL (S3 endpoint,
             addressing style, checksums, part size, ...; see :func:`uc_checkpoint.volumes.open_volume`);
             every checkpoint under the root gets them.
 
-    Rank 0 of the group lists, validates and prunes; the others receive its answers (an error on
-    rank 0 is raised on every rank, so no rank waits forever). Not thread-safe: call it from the
-    training loop, on every rank, in the same order (each call that agrees across ranks is a
-    collective on the manager's own foreground group).
+    Rank 0 of the group lists, validates and prunes; the others receive its answers. A failure on
+    rank 0 is raised on every rank as the same exception class with the same message (so no rank
+    waits forever, and an ``except`` clause matches alike everywhere); a failure outside
+    :mod:`uc_checkpoint.errors`' hierarchy is a :class:`~uc_checkpoint.errors.RemoteRankError` on
+    every rank. Not thread-safe: call it from the training loop, on every rank, in the same order
+    (each call that agrees across ranks is a collective on the manager's own foreground group).
+
+    Length (about 320 lines of code, over the ~250 the package aims at): this is the one object a
+    training script talks to, and its public methods carry their contract (ranks, errors, units)
+    in docstrings. The decisions live elsewhere: which checkpoints to delete, the preemption flag
+    and the settings in :mod:`uc_checkpoint.ops`, how ranks agree in ``_RankGroup`` below. Still
+    here and next to go: the rollback check before the first save (``_check_rollback``, ~50
+    lines, to :mod:`uc_checkpoint.lineage`) and the intact-checkpoint check behind
+    :meth:`latest` (to the checkpoint catalog).
     """
 
     def __init__(
@@ -104,8 +138,8 @@ class CheckpointManager:
         list_attempts: int = 5,
         list_backoff_s: float = 1.0,
         write_pointer: bool = True,
-        writer_options: dict[str, Any] | None = None,
-        reader_options: dict[str, Any] | None = None,
+        writer_options: WriterOptions | Mapping[str, Any] | None = None,
+        reader_options: ReaderOptions | Mapping[str, Any] | None = None,
         volume_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(root, (str, os.PathLike, Volume)):
@@ -121,6 +155,9 @@ class CheckpointManager:
             raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if list_attempts < 1:
             raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
+        #: Settings of each save's writer and each load's reader (they read as dicts too).
+        self.writer_options = WriterOptions.coerce(writer_options)
+        self.reader_options = ReaderOptions.coerce(reader_options)
         self.root = open_volume(root, **(volume_options or {}))
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -131,15 +168,11 @@ class CheckpointManager:
         self.list_attempts = list_attempts
         self.list_backoff_s = list_backoff_s
         self.write_pointer = write_pointer
-        self.writer_options = dict(writer_options or {})
-        self.reader_options = dict(reader_options or {})
         self._inflight: tuple[int, Future] | None = None
         #: The :class:`~uc_checkpoint.records.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
-        self._preempt_signal: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
-        # (background group for DCP's saves, foreground group for agreement), made on first use.
-        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._preemption = PreemptionNotice()
+        self._ranks = _RankGroup(process_group)
         # Lineage (see uc_checkpoint.lineage): the step this manager loaded, whether its first save
         # checked for a rollback, and the steps known to be abandoned (rank 0).
         self._resumed_from: int | None = None
@@ -148,95 +181,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ ranks
 
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
-
-    def _is_leader(self) -> bool:
-        return not self._distributed() or dist.get_rank(self.process_group) == 0
-
-    def _group_pair(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """``(save_group, agree_group)``: two gloo groups over ``process_group``'s ranks, created
-        the first time a collective is needed (every rank of the group reaches that call together).
-
-        Why two, and why not the caller's group: DCP runs a save's collectives (plan gather, result
-        gather, metadata broadcast) in its background thread while the training thread goes on
-        issuing collectives of its own. Two threads issuing collectives on one group pair them in
-        whatever order each rank happens to reach them, which deadlocks as soon as the ranks' orders
-        differ. Background work gets a group nothing else uses; foreground agreement another.
-        ``use_local_synchronization`` keeps ranks outside the group out of the call and leaves the
-        default group's counter of group names alone, so the caller's own ``new_group`` calls stay
-        in step on every rank."""
-        if self._groups is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._groups = (
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_save"),
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_agree"),
-            )
-        return self._groups
-
-    def _save_group(self) -> dist.ProcessGroup | None:
-        """Group for DCP's saves (collectives in a background thread); None without a process group."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return self._group_pair()[0] if self._distributed() else self.process_group
-
-    def _agree_group(self) -> dist.ProcessGroup | None:
-        """Group for collectives the training thread issues (agreement, loads)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return self._group_pair()[1] if self._distributed() else self.process_group
-
     def _on_leader(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on rank 0 of the group and hand its result (or its failure) to every rank."""
-        if not self._distributed():
-            return fn()
-        box: list[Any] = [None]
-        error: BaseException | None = None
-        if self._is_leader():
-            try:
-                box[0] = ("ok", fn())
-            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-                error = exc
-                box[0] = ("error", f"{type(exc).__name__}: {exc}")
-        dist.broadcast_object_list(box, group=self._agree_group(), group_src=0)
-        status, value = box[0]
-        if status == "ok":
-            return value
-        if error is not None:
-            raise error
-        raise VolumeError(f"rank 0 failed to {what} under {self.root.url}: {value}")
+        """Run ``fn`` on rank 0 of the group; every rank gets its result or the same error."""
+        return self._ranks.on_leader(f"{what} under {self.root.url}", fn)
 
     # ------------------------------------------------------------------ listing
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried on :class:`TransferError` (``list_attempts`` attempts, backoff doubling
-        from ``list_backoff_s`` seconds up to 10 s).
+        """``fn()``, retried on :class:`TransferError` (:func:`_retry_transfers`).
 
         Raises:
-            VolumeError: still failing after the last attempt (the TransferError is its cause);
-                other errors of ``fn`` are raised at once.
+            VolumeError: still failing after ``list_attempts`` attempts (the TransferError is its
+                cause); other errors of ``fn`` are raised at once.
         """
-        delay = self.list_backoff_s
-        for attempt in range(1, self.list_attempts + 1):
-            try:
-                return fn()
-            except TransferError as exc:
-                # Throttling and network errors (already retried by the store's client). A missing
-                # bucket or a root that is a file is a VolumeError and not worth retrying.
-                if attempt == self.list_attempts:
-                    raise VolumeError(f"cannot {what} under {self.root.url} after {attempt} attempts: {exc}") from exc
-                logger.warning(
-                    "checkpoint manager: %s under %s failed (attempt %d of %d), retrying in %.1f s: %s",
-                    what,
-                    self.root.url,
-                    attempt,
-                    self.list_attempts,
-                    delay,
-                    exc,
-                )
-                time.sleep(delay)
-                delay = min(2 * delay, 10.0)
-        raise AssertionError("unreachable")
+        return _retry_transfers(f"{what} under {self.root.url}", fn, self.list_attempts, self.list_backoff_s)
 
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         return self._retry("list checkpoints", lambda: catalog.list_steps(self.root))
@@ -322,6 +280,10 @@ class CheckpointManager:
             ValueError: ``step`` is negative.
             CheckpointException (DCP's) with our errors inside: the previous or this (sync) save failed.
         """
+        return self._save(step, state_dict, asynchronous=self.async_save)
+
+    def _save(self, step: int, state_dict: dict[str, Any], *, asynchronous: bool) -> Future:
+        """:meth:`save`, with ``dcp.async_save`` or ``dcp.save`` as ``asynchronous`` says."""
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         name = checkpoint_name(step)
@@ -331,49 +293,46 @@ class CheckpointManager:
             self._lineage_checked = True
         location = self.root.child(name)
         writer = UCVolumeWriter(location, staging_dir=self.staging_dir, **self.writer_options)
-        leader = self._is_leader()
+        leader = self._ranks.is_leader()
         run_id = active_mlflow_run_id() if leader else None
-        group = self._save_group()
-        started = time.perf_counter()
+        group = self._ranks.save_group()
+        pending = _PendingSave(step, location.url, leader, run_id, asynchronous)  # starts the clock
         try:
-            if self.async_save:
-                mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-                fut: Future = dcp.async_save(  # type: ignore[assignment]  # a Future: our writer stages synchronously
-                    state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode
-                )
-            else:
-                metadata = dcp.save(state_dict, storage_writer=writer, process_group=group)
-                fut = Future()
-                fut.set_result(metadata)
+            fut = self._start_save(state_dict, writer, group, asynchronous)
         except BaseException as exc:
-            self._record(SaveEvent(step, location.url, time.perf_counter() - started, error=one_line(exc)), run_id)
+            self._record(SaveEvent(step, location.url, pending.elapsed_s(), error=one_line(exc)), pending)
             raise
-        blocked_s = time.perf_counter() - started
-        # The caller's future completes after the housekeeping, so wait() covers it too.
-        done: Future = Future()
-
-        def finished(f: Future) -> None:
-            try:
-                self._record(_save_event(step, location.url, blocked_s, started, f), run_id)
-            except Exception:  # noqa: BLE001 - a record must never leave wait() blocked
-                logger.exception("checkpoint manager: recording the save of step %d failed", step)
-            if leader:
-                self._after_publish(step, f)  # logs its own failures
-            if f.cancelled():  # never leave wait() blocked on a future nobody will complete
-                done.cancel()
-                return
-            exc = f.exception()
-            if exc is None:
-                done.set_result(f.result())
-            else:
-                done.set_exception(exc)
-
-        self._inflight = (step, done)
-        fut.add_done_callback(finished)
-        if self.async_save:
+        pending.blocked_s = pending.elapsed_s()
+        self._inflight = (step, pending.done)
+        fut.add_done_callback(partial(self._on_saved, pending))
+        if asynchronous:
             # A script may end right after an async save: the interpreter's exit waits for it.
-            exit_guard.watch_future(done, location.url)
+            exit_guard.watch_future(pending.done, location.url)
+        return pending.done
+
+    def _start_save(
+        self, state_dict: dict[str, Any], writer: UCVolumeWriter, group: dist.ProcessGroup | None, asynchronous: bool
+    ) -> Future:
+        """Start DCP's save; a future of its ``Metadata`` (already complete for a sync save)."""
+        if asynchronous:
+            mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
+            return dcp.async_save(  # type: ignore[return-value]  # a Future: our writer stages synchronously
+                state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode
+            )
+        done: Future = Future()
+        done.set_result(dcp.save(state_dict, storage_writer=writer, process_group=group))
         return done
+
+    def _on_saved(self, pending: _PendingSave, fut: Future) -> None:
+        """DCP's future ``fut`` completed: record the save, run rank 0's housekeeping, then complete
+        the caller's future (so that :meth:`wait` covers the housekeeping too)."""
+        try:
+            self._record(_save_event(pending, fut), pending)
+        except Exception:  # noqa: BLE001 - a record must never leave wait() blocked
+            logger.exception("checkpoint manager: recording the save of step %d failed", pending.step)
+        if pending.leader:
+            self._after_publish(pending.step, fut)  # logs its own failures
+        _relay(fut, pending.done)
 
     def _check_rollback(self, step: int) -> builtins.list[int]:
         """Rank 0, before this manager's first save: mark the published steps above ``step`` as
@@ -429,7 +388,7 @@ class CheckpointManager:
             )
         return marked
 
-    def _record(self, event: SaveEvent, mlflow_run_id: str | None) -> None:
+    def _record(self, event: SaveEvent, pending: _PendingSave) -> None:
         self.last_save = event
         if event.ok:
             logger.info(
@@ -441,11 +400,11 @@ class CheckpointManager:
                 event.blocked_s,
                 event.publish_s,
             )
-        elif self.async_save:
+        elif pending.asynchronous:
             # Raised again by the next save() or wait(), but a script may never call either.
             logger.error("checkpoint step %d: the save to %s failed: %s", event.step, event.location, event.error)
-        if mlflow_run_id is not None:
-            log_to_mlflow(mlflow_run_id, event)
+        if pending.mlflow_run_id is not None:
+            log_to_mlflow(pending.mlflow_run_id, event)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise its error."""
@@ -507,7 +466,7 @@ class CheckpointManager:
         ``keep_every``, ``protect``, the save in flight, and everything newer than the oldest kept
         checkpoint (unpublished locations are left to garbage collection). After a rollback,
         abandoned checkpoints count as older than every checkpoint of the run's current line
-        (:func:`uc_checkpoint.lineage.retention_plan`). A checkpoint is unpublished
+        (:func:`uc_checkpoint.ops.retention.steps_to_delete`). A checkpoint is unpublished
         first (``.metadata`` deleted), then its data files: a crash midway leaves an unpublished
         location, never a published one with missing files. Call on one rank only (the manager
         calls it on rank 0 after each publish).
@@ -527,26 +486,25 @@ class CheckpointManager:
         for info in published:
             if above is not None and info.step > above and info.step not in self._abandoned:
                 self._problem(info)  # records the step as abandoned when its marker applies
-        plan = lineage.retention_plan(
-            [(i.step, i.step in self._abandoned) for i in published],
+        plan = steps_to_delete(
+            [i.step for i in published],
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             protect=keep,
+            abandoned=self._abandoned,
         )
         by_step = {i.step: i for i in published}
-        deleted = []
         for step in plan:
             self._delete_checkpoint(by_step[step])
-            deleted.append(step)
-        if deleted:
+        if plan:
             logger.info(
                 "checkpoint manager: deleted checkpoints %s under %s (keep_last=%s, keep_every=%s)",
-                deleted,
+                plan,
                 self.root.url,
                 self.keep_last,
                 self.keep_every,
             )
-        return deleted
+        return plan
 
     def _delete_checkpoint(self, info: CheckpointInfo) -> None:
         location = self.root.child(info.name)
@@ -563,33 +521,22 @@ class CheckpointManager:
         before a kill) only a flag is set; the training loop polls :meth:`preemption_requested` at a
         step boundary and calls :meth:`save_final`. Nothing is saved from inside the signal handler
         (collectives and file I/O are not safe there). Call from the main thread. The previous
-        handlers are restored by :meth:`disable_preemption_save`.
+        handlers are restored by :meth:`disable_preemption_save`. See
+        :mod:`uc_checkpoint.ops.preemption`.
         """
-        for sig in signals:
-            self._previous_handlers.setdefault(sig, signal.getsignal(sig))
-            signal.signal(sig, self._on_signal)
+        self._preemption.install(signals)
 
     def disable_preemption_save(self) -> None:
         """Restore the signal handlers :meth:`enable_preemption_save` replaced."""
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers.clear()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._preempt_signal = signum
+        self._preemption.uninstall()
 
     def preemption_requested(self) -> bool:
         """Whether any rank received a preemption signal. With several ranks this is a collective
         (an all-reduce over the group): every rank must call it at the same step, and all get the
         same answer, so that they stop and save together."""
-        flag = self._preempt_signal is not None
-        if not self._distributed():
-            return flag
-        import torch
-
-        box = torch.tensor([int(flag)])
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._agree_group())
-        return bool(box.item())
+        if not self._ranks.distributed():
+            return self._preemption.received
+        return any_rank(self._preemption.received, self._ranks.agree_group())
 
     def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
         """The last checkpoint before a preemption: wait for the save in flight, then save ``step``
@@ -625,11 +572,7 @@ class CheckpointManager:
         if landed and inflight is not None and inflight[0] == step:
             return True  # this step is already saved
         started = time.monotonic()
-        was_async, self.async_save = self.async_save, False
-        try:
-            self.save(step, state_dict)
-        finally:
-            self.async_save = was_async
+        self._save(step, state_dict, asynchronous=False)
         self.wait()
         took = time.monotonic() - started
         if time.monotonic() > deadline:
@@ -657,7 +600,7 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(f"no published checkpoint under {self.root.url}")
         location = self.root.child(checkpoint_name(step))
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
-        dcp.load(state_dict, storage_reader=reader, process_group=self._agree_group())
+        dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
         self._resumed_from = step
         return step
 
@@ -665,16 +608,158 @@ class CheckpointManager:
 __all__ = ["POINTER_NAME", "CheckpointInfo", "CheckpointManager"]
 
 
-def _save_event(step: int, location: str, blocked_s: float, started: float, fut: Future) -> SaveEvent:
-    """The :class:`SaveEvent` of a save whose future ``fut`` has just completed."""
-    event = SaveEvent(step, location, blocked_s)
+@dataclass
+class _PendingSave:
+    """One save between its start and its publish: what its done-callback needs."""
+
+    step: int
+    location: str
+    leader: bool  # rank 0 of the group: runs the housekeeping
+    mlflow_run_id: str | None
+    asynchronous: bool
+    started: float = field(default_factory=time.perf_counter)  # perf_counter seconds
+    blocked_s: float = 0.0  # how long save() kept the training loop
+    done: Future = field(default_factory=Future)  # the caller's: completes after the housekeeping
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _save_event(pending: _PendingSave, fut: Future) -> SaveEvent:
+    """The :class:`SaveEvent` of a save whose DCP future ``fut`` has just completed."""
+    event = SaveEvent(pending.step, pending.location, pending.blocked_s)
     if fut.cancelled():
         event.error = "cancelled"
     elif fut.exception() is not None:
         event.error = one_line(fut.exception())  # type: ignore[arg-type]
     else:
-        event.publish_s = time.perf_counter() - started
+        event.publish_s = pending.elapsed_s()
         files = (layout.manifest_of(fut.result()) or {}).get("files")
         if files:
             event.bytes, event.files = sum(int(e["size"]) for e in files.values()), len(files)
     return event
+
+
+def _relay(source: Future, target: Future) -> None:
+    """Complete ``target`` as ``source`` completed (never leave :meth:`CheckpointManager.wait`
+    blocked on a future nobody will complete)."""
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
+def _retry_transfers(what: str, fn: Callable[[], T], attempts: int, backoff_s: float) -> T:
+    """``fn()``, retried on :class:`TransferError`: ``attempts`` attempts in all, the delay doubling
+    from ``backoff_s`` seconds up to 10 s.
+
+    Raises:
+        VolumeError: still failing after the last attempt (the TransferError is its cause); other
+            errors of ``fn`` are raised at once.
+    """
+    delay = backoff_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except TransferError as exc:
+            # Throttling and network errors (already retried by the store's client). A missing
+            # bucket or a root that is a file is a VolumeError and not worth retrying.
+            if attempt == attempts:
+                raise VolumeError(f"cannot {what} after {attempt} attempts: {exc}") from exc
+            logger.warning(
+                "checkpoint manager: %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                what,
+                attempt,
+                attempts,
+                delay,
+                exc,
+            )
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
+    raise AssertionError("unreachable")
+
+
+class _RankGroup:
+    """The ranks a :class:`CheckpointManager` works with, and how they agree.
+
+    The manager never issues a collective on the caller's ``process_group`` itself: the first time
+    one is needed, every rank of the group creates two gloo groups over the same ranks, one for
+    DCP's saves (:meth:`save_group`) and one for what the training thread agrees on
+    (:meth:`agree_group`). Why two, and why not the caller's group: DCP runs a save's collectives
+    (plan gather, result gather, metadata broadcast) in its background thread while the training
+    thread goes on issuing collectives of its own. Two threads issuing collectives on one group
+    pair them in whatever order each rank happens to reach them, which deadlocks as soon as the
+    ranks' orders differ. Background work gets a group nothing else uses; foreground agreement
+    another. ``use_local_synchronization`` keeps ranks outside the group out of the call and leaves
+    the default group's counter of group names alone, so the caller's own ``new_group`` calls stay
+    in step on every rank.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self.process_group = process_group
+        self._pair: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (save, agree)
+
+    def distributed(self) -> bool:
+        """Whether more than one rank takes part (else every call is local)."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+
+    def is_leader(self) -> bool:
+        """Rank 0 of the group, or the only process."""
+        return not self.distributed() or dist.get_rank(self.process_group) == 0
+
+    def _groups(self, index: int) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if not self.distributed():
+            return self.process_group
+        if self._pair is None:
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._pair = (
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_save"),
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_agree"),
+            )
+        return self._pair[index]
+
+    def save_group(self) -> dist.ProcessGroup | None:
+        """Group for DCP's saves (collectives in a background thread); None without a process group."""
+        return self._groups(0)
+
+    def agree_group(self) -> dist.ProcessGroup | None:
+        """Group for collectives the training thread issues (agreement, loads)."""
+        return self._groups(1)
+
+    def on_leader(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 of the group and hand its result, or its failure, to every rank
+        (a collective on :meth:`agree_group`; ``what`` names the operation in messages).
+
+        A failure is raised on every rank as the same class with the same message: rank 0 raises
+        its own exception; the others rebuild it from its class name and message
+        (:func:`uc_checkpoint.errors.portable_error`), with a :class:`RemoteRankError` naming rank 0
+        and ``what`` as its cause. A class outside our hierarchy (and the builtin errors that can
+        be rebuilt) is a :class:`RemoteRankError` on every rank, rank 0 included.
+        """
+        if not self.distributed():
+            return fn()
+        box: list[Any] = [None]
+        error: Exception | None = None
+        if self.is_leader():
+            try:
+                box[0] = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                error = exc
+                kind = type(exc).__qualname__
+                kind = kind if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{kind}"
+                box[0] = ("error", (portable_error(exc), kind, str(exc)))
+        dist.broadcast_object_list(box, group=self.agree_group(), group_src=0)
+        status, value = box[0]
+        if status == "ok":
+            return value
+        portable, kind, message = value
+        remote = RemoteRankError(f"rank 0 failed to {what}: {kind}: {message}", kind)
+        if portable is None:
+            raise remote from error
+        if error is not None:
+            raise error
+        raise rebuild_error(*portable) from remote

@@ -1,1 +1,1 @@
-"""Operations over checkpoints under a root: the manager, the catalog, retention, lineage, garbage collection, verification, summaries."""
+"""Operations on checkpoints under a root: manager, catalog, retention, preemption, lineage, gc, verify, summaries."""
