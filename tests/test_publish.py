@@ -64,7 +64,6 @@ def volume(request: pytest.FixtureRequest, tmp_path: Path, memory_root: str) -> 
 def begin(volume: Volume, marker: SaveMarker, **kwargs: Any) -> str:
     options: dict[str, Any] = {
         "save_id": "save-1",
-        "metadata_name": ".metadata",
         "overwrite": True,
         "create_parents": True,
     }
@@ -82,6 +81,7 @@ def test_marker_names_parse_back() -> None:
     assert local.name() == "__3.uc-save-0123abcd"
     assert SaveMarker.parse(collective.name()) == collective
     assert SaveMarker.parse(local.name()) == local
+    assert (collective.metadata_name(), local.metadata_name()) == (".metadata", "__3.metadata")
     for other in (".metadata", "__0_0123abcd_0.distcp", ".uc-save-XYZ", "notes.txt"):
         assert SaveMarker.parse(other) is None, other
     with pytest.raises(AttributeError):

@@ -23,12 +23,13 @@ checkpoint at the location stays loadable (new data files carry a per-save token
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
 import uuid
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,9 @@ from .dcp.serialize import (
     complete_metadata,
     file_queue,
     split_results,
+    with_file_prefix,
     write_files,
 )
-from .dcp_compat import _StoragePrefix
 from .engine import publish
 from .engine.publish import SaveMarker
 from .engine.upload import UploadSession
@@ -98,8 +99,26 @@ class _SaveSession(Session):
     staging: Path | None = None
     ticket: exit_guard.SaveTicket | None = None
 
+    def marker(self) -> SaveMarker:
+        """This save's marker; its rank is set for a rank-local save (DCP without collectives)."""
+        return SaveMarker(None if self.use_collectives else (self.rank or 0), self.token)
+
     def forget_staging(self) -> None:
         self.staging = None
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This rank's part of the save is over: the interpreter's exit need not wait for it."""
+        if self.ticket is not None:
+            self.ticket.end(error)
+
+    @contextmanager
+    def ending_on_error(self) -> Iterator[None]:
+        """End the save with the error the block raises (which goes on)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.end(exc)
+            raise
 
 
 class UCVolumeWriter(SessionOwner, FileSystemWriter):
@@ -249,76 +268,43 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         ticket.bind(save.volume.url)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         save.is_coordinator = is_coordinator
-        if world is not None and world > 1 and not (dist.is_available() and dist.is_initialized()):
-            # DCP decides "no process group, save alone" when the background save starts: a group
-            # destroyed meanwhile would have each rank publish its own share as the whole checkpoint.
-            error = StagingError(
-                f"save to {save.volume.url} abandoned: it was started by {world} ranks, but the process group "
-                "was destroyed before it ran (call CheckpointManager.wait() or the save's future .result() "
-                "before dist.destroy_process_group()); nothing is published"
-            )
+        error = _orphaned_save(save.volume.url, world)
+        if error is not None:
             ticket.end(error)
             raise error
-
-    def _end_save(self, error: BaseException | None = None) -> None:
-        """This rank's part of the save is over: the interpreter's exit need not wait for it."""
-        ticket = self._save.ticket
-        if ticket is not None:
-            ticket.end(error)
 
     def _staging_path(self) -> Path:
         return staging_dir_for(self.staging_dir, "save", self.checkpoint_id, self._save.token, self._rank())
 
-    def _local_rank(self) -> int | None:
-        """The rank of a rank-local save (DCP without collectives: its own ``.metadata``), else None."""
-        return None if self.use_collectives else self._rank()
-
-    def _marker(self) -> SaveMarker:
-        return SaveMarker(self._local_rank(), self._save.token)
-
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        try:
+        save = self._save
+        with save.ending_on_error():
             # Fail in the planning step, before anything is written anywhere: probe that staging can
             # be created (write_data creates it again), so a failed plan leaves no directory behind.
             remove_staging_dir(create_staging_dir(self._staging_path()))
             if self.is_coordinator or not self.use_collectives:
-                self._save.published_digest = publish.begin_save(
+                save.published_digest = publish.begin_save(
                     self.volume,
-                    self._marker(),
-                    save_id=self.save_id,
-                    metadata_name=layout.metadata_name(self._local_rank()),
+                    save.marker(),
+                    save.save_id,
                     overwrite=self.overwrite,
                     create_parents=self.create_parents,
                 )
-        except BaseException as exc:
-            self._end_save(exc)
-            raise
-        if not self.use_collectives:
-            plan = dataclasses.replace(
-                plan, storage_data=_StoragePrefix(layout.data_file_prefix(self._rank(), self._save.token))
-            )
-        return plan
+        return plan if self.use_collectives else with_file_prefix(plan, self._rank(), save.token)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [
-            plan
-            if plan.storage_data is not None
-            else dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(i, self._save.token)))
-            for i, plan in enumerate(plans)
-        ]
+        token = self._save.token
+        return [p if p.storage_data is not None else with_file_prefix(p, i, token) for i, p in enumerate(plans)]
 
     # ---- writing ------------------------------------------------------------------------------
     def _file_queue(self, plan: SavePlan, staging: Path) -> queue.Queue[FileJob]:
-        return file_queue(plan, staging, file_size_bytes=self.file_size_bytes, thread_count=self.thread_count)
+        return file_queue(plan, staging, file_size_bytes=self.file_size_bytes, threads=self.thread_count)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        try:
+        with self._save.ending_on_error():
             fut = self._write_rank_data(plan, planner)
-        except BaseException as exc:
-            self._end_save(exc)
-            raise
         if self.use_collectives and not self.is_coordinator:
-            self._end_save()  # what is left on this rank is DCP's collectives, which need no pools
+            self._save.end()  # what is left on this rank is DCP's collectives, which need no pools
         return fut
 
     def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -329,13 +315,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         save.staging = uploads.staging
         uploads.add_done_callback(save.forget_staging)
         with uploads:  # on every way out the pool ends, the volume is closed and staging is removed
-            jobs = self._file_queue(plan, uploads.staging)
+            jobs, copy_ahead = self._file_queue(plan, uploads.staging), self.per_thread_copy_ahead
             results = write_files(
-                jobs,
-                planner,
-                thread_count=self.thread_count,
-                copy_ahead=self.per_thread_copy_ahead,
-                on_file_closed=uploads.submit,
+                jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=uploads.submit
             )
             records, record = uploads.finish()
         fut: Future[list[WriteResult]] = Future()
@@ -346,15 +328,12 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     # ---- publishing ---------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        try:
+        with self._save.ending_on_error():
             self._finish(metadata, results)
-        except BaseException as exc:
-            self._end_save(exc)
-            raise
-        self._end_save()
+        self._save.end()
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        volume, rank, marker = self.volume, self._local_rank(), self._marker()
+        volume, marker = self.volume, self._save.marker()
         storage_md, records = split_results(results)
         listing = volume.list_files()
         referenced = {info.relative_path for info in storage_md.values()}
@@ -362,7 +341,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         try:
             publish.check_no_newer_save(volume, listing, marker)
             complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
-            meta_name = layout.metadata_name(rank)
+            meta_name = marker.metadata_name()
             read_manifest = _manifest_reader(volume.describe(meta_name))
             current = publish.read_published(volume, meta_name, listing, self._save.published_digest, read_manifest)
             superseded = _files_of_published(volume, meta_name, current)
@@ -370,7 +349,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             publish.publish_metadata(volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest)
             logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
             # A rollback's abandonment marker annotated the checkpoint just replaced (uc_checkpoint.lineage).
-            stale = {layout.ABANDONED_NAME} if rank is None and layout.ABANDONED_NAME in listing else set()
+            stale = {layout.ABANDONED_NAME} if marker.rank is None and layout.ABANDONED_NAME in listing else set()
             publish.remove_superseded(volume, (superseded - set(records)) | stale)
         finally:
             marker.remove(volume)
@@ -391,6 +370,20 @@ def _check_arguments(path: object, upload_workers: object, thread_count: object,
     for arg, value in counts.items():
         if value < 1:  # type: ignore[operator]  # an int, checked above
             raise ValueError(f"{arg} must be >= 1, got {value}")
+
+
+def _orphaned_save(url: str, world: int | None) -> StagingError | None:
+    """The error for an async save staged by ``world`` ranks whose process group is gone by the
+    time it runs, else None. DCP decides "no process group, save alone" when the background save
+    starts: a group destroyed meanwhile would have each rank publish its own share as the whole
+    checkpoint."""
+    if world is not None and world > 1 and not (dist.is_available() and dist.is_initialized()):
+        return StagingError(
+            f"save to {url} abandoned: it was started by {world} ranks, but the process group "
+            "was destroyed before it ran (call CheckpointManager.wait() or the save's future .result() "
+            "before dist.destroy_process_group()); nothing is published"
+        )
+    return None
 
 
 def _manifest_reader(where: str) -> publish.ManifestReader:

@@ -35,7 +35,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from uc_checkpoint import layout
-from uc_checkpoint.dcp_compat import CURRENT_DCP_VERSION, _split_by_size_and_type, _StorageInfo, cpu_loader
+from uc_checkpoint.dcp_compat import (
+    CURRENT_DCP_VERSION,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+    cpu_loader,
+)
 from uc_checkpoint.errors import TransferError
 from uc_checkpoint.item_codec import ItemCodec
 from uc_checkpoint.volumes import FileRecord
@@ -103,19 +109,22 @@ def _write_result(item: Any, storage_key: str, offset: int, length: int) -> Writ
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
 
-def file_queue(
-    plan: SavePlan, staging: Path, *, file_size_bytes: int | None, thread_count: int
-) -> queue.Queue[FileJob]:
+def with_file_prefix(plan: SavePlan, rank: int, token: str) -> SavePlan:
+    """``plan`` naming its data files ``__<rank>_<token>_<n>.distcp`` (see :mod:`uc_checkpoint.layout`)."""
+    return dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(rank, token)))
+
+
+def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, threads: int) -> queue.Queue[FileJob]:
     """Cut a rank's plan (its ``storage_data`` a ``_StoragePrefix``) into data files in ``staging``.
 
     Args:
         file_size_bytes: target bytes per file; None: :func:`auto_file_size` of the rank's share.
-        thread_count: at least this many files, so every serialising thread has one.
+        threads: at least this many files, so every serialising thread has one.
     """
     prefix = plan.storage_data.prefix
     total = sum(_chunk_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
     size = file_size_bytes if file_size_bytes is not None else auto_file_size(total)
-    n_files = max(thread_count, math.ceil(total / size), 1)
+    n_files = max(threads, math.ceil(total / size), 1)
     jobs: queue.Queue[FileJob] = queue.Queue()
     buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
     for n, bucket in enumerate(buckets):
@@ -128,12 +137,12 @@ def write_files(
     jobs: queue.Queue[FileJob],
     planner: SavePlanner,
     *,
-    thread_count: int,
+    threads: int,
     copy_ahead: int,
-    on_file_closed: Callable[[Path], object],
+    on_closed: Callable[[Path], object],
 ) -> list[WriteResult]:
-    """Write every queued data file on ``thread_count`` threads (the caller's among them);
-    ``on_file_closed(path)`` is called for each as soon as it is closed.
+    """Write every queued data file on ``threads`` threads (the caller's among them);
+    ``on_closed(path)`` is called for each as soon as it is closed.
 
     Args:
         copy_ahead: bytes of accelerator tensors each thread copies to the CPU ahead of writing
@@ -144,7 +153,7 @@ def write_files(
     Raises:
         the first error of any thread (the others stop after their current file).
     """
-    fs = StagingFileSystem(on_file_closed)
+    fs = StagingFileSystem(on_closed)
     codec = ItemCodec()
     results: list[WriteResult] = []
     errors: list[BaseException] = []
@@ -157,17 +166,17 @@ def write_files(
                     path, storage_key, items = jobs.get_nowait()
                 except queue.Empty:
                     return
-                written = _write_file(path, storage_key, items, planner, codec, fs, thread_count, copy_ahead)
+                written = _write_file(path, storage_key, items, planner, codec, fs, threads, copy_ahead)
                 with lock:
                     results.extend(written)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, name=f"uc-serialise-{i}", daemon=True) for i in range(1, thread_count)]
-    for t in threads:
+    helpers = [threading.Thread(target=work, name=f"uc-serialise-{i}", daemon=True) for i in range(1, threads)]
+    for t in helpers:
         t.start()
     work()
-    for t in threads:
+    for t in helpers:
         t.join()
     if errors:
         raise errors[0]
@@ -182,12 +191,12 @@ def _write_file(
     planner: SavePlanner,
     codec: ItemCodec,
     fs: StagingFileSystem,
-    thread_count: int,
+    threads: int,
     copy_ahead: int,
 ) -> list[WriteResult]:
     # As DCP's writer: accelerator tensors of a synchronous save are copied to the CPU a little
     # ahead of serialisation (async saves arrive here already on the CPU).
-    loader = cpu_loader(planner.resolve_data, thread_count, copy_ahead)
+    loader = cpu_loader(planner.resolve_data, threads, copy_ahead)
     for item in items:
         if item.type != WriteItemType.BYTE_IO:
             loader.add(_chunk_bytes(item), item)
@@ -270,5 +279,6 @@ __all__ = [
     "complete_metadata",
     "file_queue",
     "split_results",
+    "with_file_prefix",
     "write_files",
 ]

@@ -60,6 +60,10 @@ class SaveMarker:
         """The marker's file name: ``.uc-save-<token>`` or ``__<rank>.uc-save-<token>``."""
         return layout.save_marker_name(self.token, self.rank)
 
+    def metadata_name(self) -> str:
+        """The ``.metadata`` this save publishes (``__<rank>.metadata`` for a rank-local save)."""
+        return layout.metadata_name(self.rank)
+
     @classmethod
     def parse(cls, name: str) -> SaveMarker | None:
         """The marker a file name stands for, or None for any other file."""
@@ -90,16 +94,16 @@ def digest(raw: bytes | None) -> str:
 def begin_save(
     volume: Volume,
     marker: SaveMarker,
-    *,
     save_id: str,
-    metadata_name: str,
+    *,
     overwrite: bool,
     create_parents: bool,
 ) -> str:
     """Claim ``volume`` for a save, before any of its data files is written.
 
-    Returns the :func:`digest` of the ``metadata_name`` published there now (``""`` for none), for
-    :func:`read_published` to tell whether another save published meanwhile.
+    Returns the :func:`digest` of the save's ``.metadata`` (``marker.metadata_name()``) published
+    there now (``""`` for none), for :func:`read_published` to tell whether another save published
+    meanwhile.
 
     Raises:
         VolumeError: from ``prepare_for_write`` (the location is a file, unwritable, ...).
@@ -115,6 +119,7 @@ def begin_save(
             f"checkpoint location {volume.url} holds files that are not part of a checkpoint: {shown}"
         )
     published = ""
+    metadata_name = marker.metadata_name()
     if metadata_name in files:
         if not overwrite:
             raise CheckpointExistsError(f"{volume.describe(metadata_name)} exists and overwrite=False")

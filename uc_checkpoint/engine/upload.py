@@ -40,7 +40,7 @@ class UploadSession:
     """Uploads of one rank's data files in one save, used as a context manager::
 
         with UploadSession(volume, staging_path, workers=4, sync=True, rank=0) as uploads:
-            write_files(uploads.staging, on_file_closed=uploads.submit)
+            write_files(uploads.staging, on_closed=uploads.submit)
             records, record = uploads.finish()
 
     Args:
