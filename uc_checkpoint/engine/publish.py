@@ -41,7 +41,7 @@ LIVE_UPLOAD_S = 3600.0
 #: Reads the manifest (see :mod:`uc_checkpoint.layout`) out of a published ``.metadata``'s bytes:
 #: None for a checkpoint without one; may raise anything for bytes it cannot decode. It is passed
 #: in because decoding ``.metadata`` needs DCP's types, which this module does without.
-ManifestReader = Callable[[bytes], "Mapping[str, Any] | None"]
+ManifestReader = Callable[[bytes], Mapping[str, Any] | None]
 
 
 @dataclass(frozen=True)

@@ -125,11 +125,9 @@ class UploadSession:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is None:
-            self._group.cancel()  # ends the session if finish() was never called; else a no-op
-            return
-        self._group.cancel()  # waits for running uploads, then the clean-ups run
-        problem = self._staging_problem(exc)
+        # A no-op after finish(); else it waits for the running uploads, then the clean-ups run.
+        self._group.cancel()
+        problem = None if exc is None else self._staging_problem(exc)
         if problem is not None:
             raise StagingError(f"{problem}; save to {self.volume.url} abandoned, nothing published") from exc
 
