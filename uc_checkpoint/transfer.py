@@ -3,7 +3,8 @@
 Modelled on s3transfer's design (boto/s3transfer ``futures.py``): a *bounded executor* whose
 ``submit`` waits when too many tasks are queued, so producers slow down instead of queueing a whole
 checkpoint, and a *coordinator* per transfer (:class:`TransferGroup`) that owns the futures, the
-first error, and cancellation of what has not started when something fails.
+first error, cancellation of what has not started when something fails, and the clean-ups to run
+on the way out (s3transfer's ``TransferCoordinator.add_failure_cleanup``/``add_done_callback``).
 
 Pools are created per save or load and shut down at its end: DCP's PROCESS mode pickles the storage
 writer, and a live pool cannot be pickled.
@@ -68,6 +69,13 @@ class TransferGroup(Generic[T]):
 
     ``submit`` may be called from several threads (DCP serialises files on ``thread_count``
     threads and each finished file is submitted from the thread that closed it).
+
+    The group ends once: when :meth:`results` returns or raises, or at the first :meth:`cancel`.
+    Then, in the thread that ended it and after every transfer of the group has stopped, it runs
+    the *failure clean-ups* (only when it failed or was cancelled), then the *done callbacks*
+    (always), each list in registration order. A clean-up or callback that raises is logged and
+    the others still run: the way out must not be blocked by one of its steps (as s3transfer's
+    ``TransferCoordinator.announce_done``).
     """
 
     def __init__(self, pool: TransferPool, what: str) -> None:
@@ -76,6 +84,31 @@ class TransferGroup(Generic[T]):
         self._futures: list[Future[T]] = []
         self._lock = threading.Lock()
         self._failed = threading.Event()
+        self._failure_cleanups: list[Callable[[], object]] = []
+        self._done_callbacks: list[Callable[[], object]] = []
+        self._ended = False
+
+    def add_failure_cleanup(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` once if the group fails or is cancelled, before the done callbacks."""
+        with self._lock:
+            self._failure_cleanups.append(fn)
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` once when the group ends, whether it succeeded or not."""
+        with self._lock:
+            self._done_callbacks.append(fn)
+
+    def _end(self, failed: bool) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            steps = (self._failure_cleanups if failed else []) + self._done_callbacks
+        for fn in steps:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one failed clean-up must not skip the others
+                logger.exception("%s: clean-up %r failed", self._what, fn)
 
     def submit(self, fn: Callable[..., T], *args: object) -> None:
         """Queue one transfer; ignored once another transfer of the group has failed."""
@@ -91,20 +124,23 @@ class TransferGroup(Generic[T]):
             self._failed.set()
 
     def cancel(self) -> None:
-        """Cancel transfers that have not started, and wait for running ones to end."""
+        """Cancel transfers that have not started, wait for running ones to end, then end the group
+        as failed (its failure clean-ups and done callbacks run, unless it ended before)."""
         self._failed.set()
         with self._lock:
             futures = list(self._futures)
         for fut in futures:
             fut.cancel()
         wait(futures)
+        self._end(failed=True)
 
     def results(self) -> list[T]:
         """Wait for every transfer; return their results in submission order.
 
         Raises:
             TransferError (or the task's own :class:`UCCheckpointError`): the first failure; the
-                transfers not yet started are cancelled and running ones are waited for.
+                transfers not yet started are cancelled and running ones are waited for (then the
+                group ends as by :meth:`cancel`).
         """
         with self._lock:
             futures = list(self._futures)
@@ -118,4 +154,6 @@ class TransferGroup(Generic[T]):
             if isinstance(exc, UCCheckpointError):
                 raise exc
             raise TransferError(f"{self._what}: {exc}") from exc
-        return [f.result() for f in futures]
+        out = [f.result() for f in futures]
+        self._end(failed=False)
+        return out

@@ -1,0 +1,1 @@
+"""The DCP adapters: everything that speaks torch.distributed.checkpoint's storage contract."""

@@ -1,0 +1,295 @@
+"""The checkpoint location's side of a save: claim it, check it, publish ``.metadata``, tidy up.
+
+A save at one location goes through these steps (the writer calls them; none needs DCP types, so
+each can be tested on any :class:`~uc_checkpoint.volumes.Volume`):
+
+1. :func:`begin_save` (before any data file exists): refuse a location that holds foreign files or,
+   without ``overwrite``, a published checkpoint; abort multipart uploads a killed save left; write
+   this save's :class:`SaveMarker`.
+2. :func:`check_data_files` and :func:`check_no_newer_save` (after every rank uploaded): every data
+   file is on the volume with its size, and no other save started here meanwhile.
+3. :func:`read_published` then :func:`publish_metadata`: the ``.metadata`` there is still the one
+   seen at step 1; the new one is published in one atomic write and read back.
+4. :func:`remove_superseded`: the replaced checkpoint's data files go, best effort.
+
+The marker protocol (names, and which of two concurrent saves publishes) is described in
+:mod:`uc_checkpoint.layout`. The read-back in step 3 exists because some FUSE mounts report a rename
+or a write as done and lose it; deleting in step 4 after such a loss would lose both checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from uc_checkpoint import layout
+from uc_checkpoint.errors import CheckpointExistsError, ConcurrentSaveError, LocationNotEmptyError, TransferError
+from uc_checkpoint.volumes import Volume
+
+logger = logging.getLogger(__name__)
+
+#: Incomplete multipart uploads younger than this (seconds) may belong to a save still running.
+LIVE_UPLOAD_S = 3600.0
+
+#: Reads the manifest (see :mod:`uc_checkpoint.layout`) out of a published ``.metadata``'s bytes:
+#: None for a checkpoint without one; may raise anything for bytes it cannot decode. It is passed
+#: in because decoding ``.metadata`` needs DCP's types, which this module does without.
+ManifestReader = Callable[[bytes], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class SaveMarker:
+    """The marker one save keeps at its location while it runs (see :mod:`uc_checkpoint.layout`).
+
+    Attributes:
+        rank: the rank of a rank-local save (DCP without collectives), else None.
+        token: the save's random token (8 to 32 hex digits), also in its data files' names.
+    """
+
+    rank: int | None
+    token: str
+
+    def name(self) -> str:
+        """The marker's file name: ``.uc-save-<token>`` or ``__<rank>.uc-save-<token>``."""
+        return layout.save_marker_name(self.token, self.rank)
+
+    def metadata_name(self) -> str:
+        """The ``.metadata`` this save publishes (``__<rank>.metadata`` for a rank-local save)."""
+        return layout.metadata_name(self.rank)
+
+    @classmethod
+    def parse(cls, name: str) -> SaveMarker | None:
+        """The marker a file name stands for, or None for any other file."""
+        parsed = layout.parse_save_marker(name)
+        return None if parsed is None else cls(*parsed)
+
+    def write(self, volume: Volume, save_id: str) -> None:
+        """Put the marker on ``volume``: a few bytes of JSON (save id, host, pid, start time).
+
+        The name carries this save's random token, so a plain PUT cannot clobber another marker
+        (a conditional one would fail on S3-compatible stores without If-None-Match support)."""
+        marker = {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        volume.publish_bytes(self.name(), json.dumps(marker).encode(), overwrite=True)
+
+    def remove(self, volume: Volume) -> None:
+        """Delete the marker; best effort: a leftover marker is harmless and gc removes it."""
+        try:
+            volume.delete(self.name())
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            logger.warning("could not delete the save marker %s: %s", volume.describe(self.name()), exc)
+
+
+def digest(raw: bytes | None) -> str:
+    """sha256 (hex) of a ``.metadata``'s bytes; ``""`` for none."""
+    return "" if raw is None else hashlib.sha256(raw).hexdigest()
+
+
+def begin_save(
+    volume: Volume,
+    marker: SaveMarker,
+    save_id: str,
+    *,
+    overwrite: bool,
+    create_parents: bool,
+) -> str:
+    """Claim ``volume`` for a save, before any of its data files is written.
+
+    Returns the :func:`digest` of the save's ``.metadata`` (``marker.metadata_name()``) published
+    there now (``""`` for none), for :func:`read_published` to tell whether another save published
+    meanwhile.
+
+    Raises:
+        VolumeError: from ``prepare_for_write`` (the location is a file, unwritable, ...).
+        LocationNotEmptyError: the location holds files that are not part of a checkpoint.
+        CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
+    """
+    volume.prepare_for_write(create_parents=create_parents)
+    files = volume.list_files()
+    foreign = sorted(name for name in files if not layout.is_checkpoint_file(name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise LocationNotEmptyError(
+            f"checkpoint location {volume.url} holds files that are not part of a checkpoint: {shown}"
+        )
+    published = ""
+    metadata_name = marker.metadata_name()
+    if metadata_name in files:
+        if not overwrite:
+            raise CheckpointExistsError(f"{volume.describe(metadata_name)} exists and overwrite=False")
+        logger.info("replacing the checkpoint published at %s", volume.url)
+        published = digest(volume.read_bytes(metadata_name))
+    # Uploads a killed save left behind (S3 multipart uploads) cost storage and are never
+    # completed; no rank of this save has started uploading yet. While another save's marker is
+    # there, its uploads may be live: only old ones go (gc takes the rest).
+    other_saves = any(SaveMarker.parse(name) for name in files)
+    aborted = volume.abort_incomplete_uploads(older_than_s=LIVE_UPLOAD_S if other_saves else None)
+    if aborted:
+        logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
+    marker.write(volume, save_id)
+    return published
+
+
+def check_data_files(
+    volume: Volume, listing: Mapping[str, int], sizes: Mapping[str, int], referenced: Iterable[str]
+) -> None:
+    """Every data file must be on the volume, whole, before ``.metadata`` exists.
+
+    Args:
+        listing: the location's files and sizes (bytes), as :meth:`Volume.list_files` gave them.
+        sizes: each uploaded file's size in bytes, as its upload recorded it.
+        referenced: every file name the new ``.metadata`` points at.
+
+    Raises:
+        TransferError: a file has another size on the volume than uploaded (or is missing), or a
+            referenced file has no upload record.
+    """
+    for name, size in sizes.items():
+        if listing.get(name) != size:
+            raise TransferError(
+                f"not publishing {volume.url}: {volume.describe(name)} has {listing.get(name)} bytes on the volume, expected {size}"
+            )
+    for name in set(referenced) - sizes.keys():
+        raise TransferError(f"not publishing {volume.url}: no upload record for {name}")
+
+
+def check_no_newer_save(volume: Volume, listing: Mapping[str, int], mine: SaveMarker) -> None:
+    """Raise ConcurrentSaveError when another save started at this location after this one.
+
+    Markers are ordered by the store's modification time (one clock for every job), ties by
+    name, so two saves agree on which is newer and exactly one of them publishes. A killed save's
+    marker is older than this save's, so it never blocks a resumed job re-saving a step. Only
+    markers of the same slot compete: the collective save's, or one rank's rank-local saves.
+
+    Args:
+        listing: the location's files (names; sizes unused), listed after this save's uploads.
+    """
+    own = mine.name()
+    others = sorted(
+        name
+        for name in listing
+        if name != own and (other := SaveMarker.parse(name)) is not None and other.rank == mine.rank
+    )
+    if not others:
+        return
+    mtimes = volume.list_mtimes()
+    if own not in mtimes:
+        newer = others  # cannot order without our own marker: assume the worst
+    else:
+        newer = [name for name in others if name in mtimes and (mtimes[name], name) > (mtimes[own], own)]
+    if newer:
+        raise ConcurrentSaveError(
+            f"not publishing {volume.url}: another save started at this location while this one ran "
+            f"({describe_marker(volume, newer[-1])}); the newer save publishes, this one is abandoned"
+        )
+
+
+def read_published(
+    volume: Volume,
+    name: str,
+    listing: Mapping[str, int],
+    expected_digest: str | None,
+    read_manifest: ManifestReader,
+) -> bytes | None:
+    """The ``.metadata`` published as ``name`` now (None for none), checked to be the one
+    :func:`begin_save` saw (its digest ``expected_digest``; None: not checked).
+
+    Raises:
+        ConcurrentSaveError: another save published ``name`` (or deleted it) while this one ran.
+    """
+    current = volume.read_bytes(name) if name in listing else None
+    if expected_digest is not None and digest(current) != expected_digest:
+        raise ConcurrentSaveError(
+            f"not publishing {volume.url}: another save published {volume.describe(name)} while "
+            f"this one ran ({describe_publisher(current, read_manifest)}); that checkpoint "
+            "is kept and this save is abandoned"
+        )
+    return current
+
+
+def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool, read_manifest: ManifestReader) -> None:
+    """Publish ``blob`` as ``name`` in one atomic write, then read it back.
+
+    The read-back compares content, not size: some mounts report a rename or a write as done and
+    lose it, and the replaced ``.metadata`` may have exactly the new one's size. Deleting the old
+    checkpoint's files after such a loss would lose both checkpoints, so the caller deletes nothing
+    unless this returns.
+
+    Raises:
+        CheckpointExistsError: ``overwrite=False`` and ``name`` exists (from the volume).
+        TransferError: the write failed, or reading it back gives other bytes or none.
+    """
+    volume.publish_bytes(name, blob, overwrite=overwrite)
+    landed = volume.read_bytes(name)
+    if landed != blob:
+        found = (
+            "nothing"
+            if landed is None
+            else f"{len(landed)} bytes of other content ({describe_publisher(landed, read_manifest)})"
+        )
+        raise TransferError(
+            f"not published: {volume.describe(name)} was written ({len(blob)} bytes) but reading it back "
+            f"gives {found}; the volume lost the write. Nothing was deleted: the checkpoint that was "
+            "there (if any) and this save's data files are kept"
+        )
+
+
+def remove_superseded(volume: Volume, names: Iterable[str]) -> None:
+    """Delete the data files of the checkpoint a save replaced, and only those (in name order).
+
+    Files no published ``.metadata`` references are not passed here: they may belong to another
+    job's save in progress at this location (deleting them could leave that save publishing over
+    missing files), or to a save that crashed; ``uc-checkpoint gc`` removes them once they are
+    older than its grace period. Best effort: a failure is logged, never raised."""
+    for name in sorted(names):
+        try:
+            volume.delete(name)
+        except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
+            logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
+
+
+def _utc(seconds: Any) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(seconds)))
+
+
+def describe_marker(volume: Volume, name: str) -> str:
+    """Who wrote a save marker, in words, for error messages (its name alone when unreadable)."""
+    try:
+        info = json.loads(volume.read_bytes(name) or b"{}")
+        return f"{volume.describe(name)}: host {info['host']}, pid {info['pid']}, started {_utc(info['started'])}"
+    except Exception:  # noqa: BLE001 - the marker may be gone or unreadable; its name still helps
+        return volume.describe(name)
+
+
+def describe_publisher(raw: bytes | None, read_manifest: ManifestReader) -> str:
+    """Which process published a ``.metadata`` (its bytes ``raw``; None: gone), in words."""
+    if raw is None:
+        return "and it has since been deleted"
+    try:
+        manifest = read_manifest(raw) or {}
+        by = manifest.get("saved_by") or {}
+        return f"save {manifest.get('save_id')}: host {by['host']}, pid {by['pid']}, published {_utc(by['time'])}"
+    except Exception:  # noqa: BLE001 - written by another writer or unreadable: say so
+        return "by a writer that did not record itself"
+
+
+__all__ = [
+    "LIVE_UPLOAD_S",
+    "ManifestReader",
+    "SaveMarker",
+    "begin_save",
+    "check_data_files",
+    "check_no_newer_save",
+    "describe_marker",
+    "describe_publisher",
+    "digest",
+    "publish_metadata",
+    "read_published",
+    "remove_superseded",
+]
