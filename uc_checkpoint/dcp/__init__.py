@@ -1,0 +1,1 @@
+"""The DCP adapters and everything that speaks DCP types."""
