@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from uc_checkpoint.errors import CorruptCheckpointError
 from uc_checkpoint.integrity import FileRecord, verify_blocks
@@ -77,8 +77,7 @@ class _Pipeline(Generic[R]):
     ``TransferGroup`` itself offers no per-request completion hook, hence the counting here.
     """
 
-    def __init__(self, pool: TransferPool, what: str, ready: queue.SimpleQueue[_Pipeline[R]]) -> None:
-        self._pool = pool
+    def __init__(self, pool: TransferPool, what: str, ready: queue.SimpleQueue[Any]) -> None:
         self._group: TransferGroup[R | None] = TransferGroup(pool, what)
         self._ready = ready
         self._lock = threading.Lock()
@@ -142,7 +141,7 @@ class FileFetch(_Pipeline[FileRecord]):
     def __init__(
         self,
         pool: TransferPool,
-        ready: queue.SimpleQueue[_Pipeline[FileRecord]],
+        ready: queue.SimpleQueue[FileFetch],
         volume: Volume,
         name: str,
         dest: Path,
@@ -201,7 +200,7 @@ class RangeFetch(_Pipeline[None], Generic[T]):
     def __init__(
         self,
         pool: TransferPool,
-        ready: queue.SimpleQueue[_Pipeline[None]],
+        ready: queue.SimpleQueue[RangeFetch[T]],
         volume: Volume,
         request: RangeRequest[T],
         *,
@@ -239,12 +238,6 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         return data
 
 
-def _consume_next(ready: queue.SimpleQueue[_Pipeline[R]], outstanding: set[_Pipeline[R]]) -> _Pipeline[R]:
-    fetch = ready.get()
-    outstanding.discard(fetch)
-    return fetch
-
-
 def fetch_files(
     volume: Volume,
     names: Iterable[str],
@@ -273,10 +266,10 @@ def fetch_files(
     """
     started, retries = time.perf_counter(), volume.retries
     cache = create_staging_dir(staging)
-    ready: queue.SimpleQueue[_Pipeline[FileRecord]] = queue.SimpleQueue()
+    ready: queue.SimpleQueue[FileFetch] = queue.SimpleQueue()
     pool = TransferPool(workers, name=thread_name)
-    outstanding: set[_Pipeline[FileRecord]] = set()
-    nfiles = nbytes = 0
+    outstanding = 0
+    nbytes = 0
     try:
         for name in dict.fromkeys(names):
             fetch = FileFetch(
@@ -289,12 +282,12 @@ def fetch_files(
                 min_size=min_sizes.get(name, 0),
                 verify=verify,
             )
-            outstanding.add(fetch)
             fetch.start()
-            nfiles += 1
+            outstanding += 1
+        nfiles = outstanding
         while outstanding:
-            done = _consume_next(ready, outstanding)
-            assert isinstance(done, FileFetch)
+            done = ready.get()
+            outstanding -= 1
             nbytes += done.result().size
             consume(done.name, done.dest)
             done.dest.unlink(missing_ok=True)
@@ -331,16 +324,15 @@ def fetch_ranges(
         Whatever ``consume`` raises. On any error the other reads are cancelled or waited for.
     """
     started, retries = time.perf_counter(), volume.retries
-    ready: queue.SimpleQueue[_Pipeline[None]] = queue.SimpleQueue()
+    ready: queue.SimpleQueue[RangeFetch[T]] = queue.SimpleQueue()
     budget = ByteBudget(max_inflight_bytes)
     pool = TransferPool(workers, name=thread_name)
-    outstanding: set[_Pipeline[None]] = set()
-    nbytes = 0
+    outstanding = nbytes = 0
 
     def consume_one() -> None:
-        nonlocal nbytes
-        done = _consume_next(ready, outstanding)
-        assert isinstance(done, RangeFetch)
+        nonlocal outstanding, nbytes
+        done = ready.get()
+        outstanding -= 1
         consume(done.request, done.result())
         nbytes += done.request.nbytes
         budget.give(done.request.nbytes)
@@ -350,8 +342,8 @@ def fetch_ranges(
             while not budget.try_take(request.nbytes):
                 consume_one()
             fetch = RangeFetch(pool, ready, volume, request, chunk_bytes=chunk_bytes, record=records.get(request.name))
-            outstanding.add(fetch)
             fetch.start()
+            outstanding += 1
         while outstanding:
             consume_one()
     finally:
