@@ -1,0 +1,190 @@
+"""Decoding the items of a DCP load plan from their bytes into the planner's tensors and objects.
+
+Items are deserialised as DCP's ``FileSystemReader.read_data`` does (``torch.load`` of each tensor
+item, narrowed to the requested slice and copied into the load plan's tensor; ``planner.load_bytes``
+for byte items), except that small tensor items written by our writer (or by ``torch.save`` of a
+plain tensor) are decoded by :class:`~uc_checkpoint.item_codec.ItemCodec`. Every failure to decode
+is a :class:`~uc_checkpoint.errors.CorruptCheckpointError` naming the file, the item and its offset.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from uc_checkpoint.dcp_compat import _StorageInfo, narrow_tensor_by_index
+from uc_checkpoint.errors import CorruptCheckpointError, UCCheckpointError
+from uc_checkpoint.item_codec import ItemChecksumError, ItemCodec
+from uc_checkpoint.volumes import Volume
+
+#: (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item of a checkpoint holds.
+ChunkShapes = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
+
+
+def chunk_shapes(metadata: Metadata) -> ChunkShapes:
+    """What each tensor chunk in ``metadata`` holds, for :class:`~uc_checkpoint.item_codec.ItemCodec`."""
+    return {
+        (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        for chunk in md.chunks
+    }
+
+
+class ItemLoader:
+    """Decodes one load's items and hands each to its planner.
+
+    Args:
+        volume: the checkpoint's volume (for messages).
+        planner: the load's planner (``load_bytes``, ``resolve_tensor``, ``commit_tensor``).
+        storage_data: where each item lies (DCP's ``_StorageInfo`` per storage index).
+        chunks: :func:`chunk_shapes` of the checkpoint's metadata.
+        transforms: ``FileSystemReader.transforms``, for items written with DCP extensions (e.g.
+            compression); unused otherwise.
+        check_archive_crc: check each tensor item's zip CRC-32s when it is not decoded by the codec
+            (checkpoints without a manifest: nothing else covers their bytes, and ``torch.load``
+            does not check them).
+        codec: the fast decoder (its ``fast_decoded`` counts the items it decoded).
+    """
+
+    def __init__(
+        self,
+        volume: Volume,
+        planner: LoadPlanner,
+        storage_data: Mapping[Any, _StorageInfo],
+        chunks: ChunkShapes,
+        *,
+        transforms: Any,
+        check_archive_crc: bool,
+        codec: ItemCodec | None = None,
+    ) -> None:
+        self.volume = volume
+        self.planner = planner
+        self.storage_data = storage_data
+        self.chunks = chunks
+        self.transforms = transforms
+        self.check_archive_crc = check_archive_crc
+        self.codec = codec if codec is not None else ItemCodec()
+
+    def by_file(self, items: Iterable[ReadItem]) -> dict[str, list[ReadItem]]:
+        """``items`` grouped by their data file's name, files in order of first use."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        return per_file
+
+    def spans(self, items: Iterable[ReadItem]) -> list[tuple[str, int, int, ReadItem]]:
+        """``(file name, offset, length, item)`` of each of ``items``, for
+        :func:`~uc_checkpoint.ranges.plan_ranges`."""
+        out = []
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            out.append((info.relative_path, info.offset, info.length, item))
+        return out
+
+    def load_file(self, items: Iterable[ReadItem], path: Path) -> None:
+        """Load ``items`` from the local copy ``path`` of their data file."""
+        with open(path, "rb") as f:
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                f.seek(info.offset)
+                self.load(item, memoryview(f.read(info.length)))
+
+    def load_range(self, items: Iterable[ReadItem], start: int, data: memoryview) -> None:
+        """Load ``items`` from ``data``, the bytes of their file from offset ``start`` on."""
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            lo = info.offset - start
+            self.load(item, data[lo : lo + info.length])
+
+    def load(self, req: ReadItem, data: memoryview) -> None:
+        """Deserialise one item from its bytes and hand it to the planner.
+
+        Raises:
+            CorruptCheckpointError: the bytes are not the item, fail a checksum, or give a tensor of
+                another shape than the plan expects; the message names the file and the item.
+        """
+        info = self.storage_data[req.storage_index]
+        if info.transform_descriptors:  # written with DCP extensions (e.g. compression)
+            stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
+            data = memoryview(stream.read(-1))
+        where = f"{self.volume.describe(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}"
+        if req.type == LoadItemType.BYTE_IO:
+            try:
+                self.planner.load_bytes(req, io.BytesIO(data))
+            except UCCheckpointError:
+                raise
+            except Exception as exc:  # torch.load of bytes that are not the item (damaged metadata or file)
+                raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
+            return
+        saved = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        try:
+            tensor = self.codec.decode(data, *saved) if saved is not None else None
+        except ItemChecksumError as exc:
+            raise CorruptCheckpointError(f"{where}: {exc}") from exc
+        if tensor is None and self.check_archive_crc:
+            bad = zip_crc_problem(data)
+            if bad is not None:
+                raise CorruptCheckpointError(f"{where} fails its archive's CRC-32 ({bad}): the file was damaged")
+        try:
+            if tensor is None:
+                tensor = torch.load(cast(IO[bytes], MemoryReader(data)), map_location="cpu", weights_only=True)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        except Exception as exc:  # not a tensor archive, or not the chunk the metadata describes
+            raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
+        target = self.planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(
+                f"{self.volume.describe(info.relative_path)}: item {req.storage_index.fqn} gives a tensor of shape "
+                f"{tuple(tensor.size())}, the load plan expects {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        self.planner.commit_tensor(req, target)
+
+
+def zip_crc_problem(data: memoryview) -> str | None:
+    """The first member of the zip archive ``data`` whose CRC-32 is wrong (or why it is no zip),
+    else None. Reads every member once, without copying ``data``."""
+    try:
+        with zipfile.ZipFile(cast(IO[bytes], MemoryReader(data))) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if bad is None else f"member {bad}"
+
+
+class MemoryReader(io.RawIOBase):
+    """A read-only, seekable stream over a memoryview, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        chunk = self._data[self._pos : self._pos + len(b)]
+        n = len(chunk)
+        memoryview(b).cast("B")[:n] = chunk
+        self._pos += n
+        return n

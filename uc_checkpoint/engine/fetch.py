@@ -1,0 +1,353 @@
+"""Fetch pipelines of a load: whole files into staging, or byte ranges into memory, verified, and
+handed to a consumer as each request completes.
+
+Each request (one file, or one merged byte range split into parallel pieces) is a pipeline object
+holding its own state, as in torchsnapshot's ``scheduler.py`` (``_ReadPipeline``: read, then
+consume); :func:`fetch_files` and :func:`fetch_ranges` only start requests, enforce the memory
+budget and hand finished requests to the consumer in the order they complete. The consumer runs on
+the calling thread, so it can use that thread's state (a DCP load's session).
+
+Both modes share one failure path: the tasks of a request run in a
+:class:`~uc_checkpoint.transfer.TransferGroup` on a bounded
+:class:`~uc_checkpoint.transfer.TransferPool` (s3transfer's bounded executor and coordinator), whose
+``results`` raises the first failure, a foreign error wrapped once into ``TransferError("reading
+<file> failed: ...")``. A failure ends the whole fetch: requests not yet started are cancelled,
+running ones are waited for, and the volume's clients are closed.
+
+Nothing here knows DCP: a request's items are opaque (see :class:`~uc_checkpoint.ranges.RangeRequest`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from uc_checkpoint.errors import CorruptCheckpointError
+from uc_checkpoint.integrity import FileRecord, verify_blocks
+from uc_checkpoint.ranges import ByteBudget, RangeRequest
+from uc_checkpoint.records import TransferRecord
+from uc_checkpoint.staging import create_staging_dir, remove_staging_dir
+from uc_checkpoint.transfer import TransferGroup, TransferPool
+from uc_checkpoint.volumes import Volume
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class FetchStats:
+    """What a fetch did: ``files`` distinct files and ``bytes`` bytes read from the volume in
+    ``seconds`` (consuming included: it overlaps the reads), with ``retries`` requests retried by the
+    volume's client."""
+
+    files: int
+    bytes: int
+    seconds: float
+    retries: int
+
+    def record(self, location: str, rank: int) -> TransferRecord:
+        """This fetch as a load's :class:`~uc_checkpoint.records.TransferRecord` (reads and
+        deserialisation overlap, so the transfer time is the whole read step)."""
+        return TransferRecord(
+            op="load",
+            location=location,
+            rank=rank,
+            bytes=self.bytes,
+            files=self.files,
+            total_s=self.seconds,
+            staging_s=0.0,
+            transfer_s=self.seconds,
+            retries=self.retries,
+        )
+
+
+class _Pipeline(Generic[R]):
+    """One request's transfers (a :class:`TransferGroup` of its own) and the signal that it is ready.
+
+    The request is put on ``ready`` once, from a worker: when every task has succeeded, or as soon as
+    one has failed (its other tasks then skip their reads; :meth:`wait` cancels those not started).
+    ``TransferGroup`` itself offers no per-request completion hook, hence the counting here.
+    """
+
+    def __init__(self, pool: TransferPool, what: str, ready: queue.SimpleQueue[Any]) -> None:
+        self._group: TransferGroup[R | None] = TransferGroup(pool, what)
+        self._ready = ready
+        self._lock = threading.Lock()
+        self._left = 0
+        self._signalled = False
+        self.failed = False
+
+    def _start(self, tasks: Sequence[tuple[Callable[..., R], tuple[object, ...]]]) -> None:
+        self._left = len(tasks)
+        if not tasks:
+            self._signal()
+        for fn, args in tasks:
+            self._group.submit(self._run, fn, *args)
+
+    def _run(self, fn: Callable[..., R], *args: object) -> R | None:
+        if self.failed:  # another task of this request failed: its bytes are of no use
+            return None
+        try:
+            result = fn(*args)
+        except BaseException:
+            self.failed = True
+            self._signal()
+            raise
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._signal()
+        return result
+
+    def _signal(self) -> None:
+        with self._lock:
+            if self._signalled:
+                return
+            self._signalled = True
+        self._ready.put(self)
+
+    def wait(self) -> list[R | None]:
+        """The tasks' results, in submission order (None only from tasks that skipped their work
+        after another failed, and then this raises).
+
+        Raises:
+            UCCheckpointError: the first task's failure (foreign errors as ``TransferError``).
+        """
+        return self._group.results()
+
+
+class FileFetch(_Pipeline[FileRecord]):
+    """Download one file whole into a staging directory and check it against its record.
+
+    Args:
+        volume: where the file is.
+        name: its name at the checkpoint location.
+        dest: the local path to write.
+        expected: the manifest's record (its size is checked before a byte is read; its CRC-32
+            afterwards, when ``verify``), or None for a file without one.
+        min_size: bytes the items need (checked, and read, when there is no record).
+        verify: compare the whole file's CRC-32 with ``expected``.
+    """
+
+    def __init__(
+        self,
+        pool: TransferPool,
+        ready: queue.SimpleQueue[FileFetch],
+        volume: Volume,
+        name: str,
+        dest: Path,
+        *,
+        expected: FileRecord | None,
+        min_size: int,
+        verify: bool,
+    ) -> None:
+        super().__init__(pool, f"reading {volume.describe(name)} failed", ready)
+        self.volume = volume
+        self.name = name
+        self.dest = dest
+        self.expected = expected
+        self.min_size = min_size
+        self.verify = verify
+
+    def start(self) -> None:
+        self._start([(self._download, ())])
+
+    def _download(self) -> FileRecord:
+        # Sizes are checked by download_file before a byte is read, and nothing past them is read;
+        # the content is checked here.
+        expected = self.expected
+        record = self.volume.download_file(
+            self.name,
+            self.dest,
+            expected_size=None if expected is None else expected.size,
+            min_size=self.min_size,
+        )
+        if expected is not None and self.verify and record.crc32 != expected.crc32:
+            raise CorruptCheckpointError(
+                f"{self.volume.describe(record.name)} fails its checksum: "
+                f"crc32 {record.crc32}, recorded {expected.crc32}"
+            )
+        return record
+
+    def result(self) -> FileRecord:
+        """The downloaded file's record (raises the download's error)."""
+        (record,) = self.wait()
+        assert record is not None
+        return record
+
+
+class RangeFetch(_Pipeline[None], Generic[T]):
+    """Fetch one :class:`~uc_checkpoint.ranges.RangeRequest` as parallel pieces of at most
+    ``chunk_bytes`` into one buffer, then check the checksum blocks it covers.
+
+    Args:
+        volume: where the file is.
+        request: the byte range and its (opaque) items.
+        chunk_bytes: largest single read.
+        record: the file's record, whose block CRC-32s verify the range (None: not verified; the
+            range must then be block-aligned, see :func:`~uc_checkpoint.ranges.plan_ranges`).
+    """
+
+    def __init__(
+        self,
+        pool: TransferPool,
+        ready: queue.SimpleQueue[RangeFetch[T]],
+        volume: Volume,
+        request: RangeRequest[T],
+        *,
+        chunk_bytes: int,
+        record: FileRecord | None,
+    ) -> None:
+        super().__init__(pool, f"reading {volume.describe(request.name)} failed", ready)
+        self.volume = volume
+        self.request = request
+        self.chunk_bytes = chunk_bytes
+        self.record = record
+        self._buf = bytearray(0)
+
+    def start(self) -> None:
+        """Allocate the buffer and queue every piece (blocks while the pool is full)."""
+        self._buf = bytearray(self.request.nbytes)
+        self._start([(self._read_piece, (lo, hi)) for lo, hi in self.request.pieces(self.chunk_bytes)])
+
+    def _read_piece(self, lo: int, hi: int) -> None:
+        start = self.request.start
+        self._buf[lo - start : hi - start] = self.volume.read_range(self.request.name, lo, hi)
+
+    def result(self) -> memoryview:
+        """The range's bytes, verified against the record's block checksums.
+
+        Raises:
+            CorruptCheckpointError: a block fails its checksum (the message names the file and the
+                block's bytes), or the volume found the file missing or short.
+            TransferError: a read failed for another reason.
+        """
+        self.wait()
+        data = memoryview(self._buf)
+        if self.record is not None:
+            verify_blocks(data, self.request.start, self.record, self.volume.describe(self.request.name))
+        return data
+
+
+def fetch_files(
+    volume: Volume,
+    names: Iterable[str],
+    staging: Path,
+    consume: Callable[[str, Path], None],
+    *,
+    records: Mapping[str, FileRecord],
+    min_sizes: Mapping[str, int],
+    verify: bool,
+    workers: int,
+    thread_name: str = "uc-download",
+) -> FetchStats:
+    """Download each file whole into ``staging`` (created, and removed at the end), ``workers`` at
+    a time, and call ``consume(name, local_path)`` on this thread for each as soon as it has arrived
+    and been verified; each local file is deleted once consumed.
+
+    Args:
+        records: the manifest's record per name (sizes always checked; CRC-32s when ``verify``).
+        min_sizes: bytes per name the items need (for files without a record).
+
+    Raises:
+        StagingError: ``staging`` cannot be created (before anything is fetched).
+        CorruptCheckpointError: a file is missing, has the wrong size, or fails its checksum.
+        TransferError: a download failed for another reason.
+        Whatever ``consume`` raises. On any error the other downloads are cancelled or waited for.
+    """
+    started, retries = time.perf_counter(), volume.retries
+    cache = create_staging_dir(staging)
+    ready: queue.SimpleQueue[FileFetch] = queue.SimpleQueue()
+    pool = TransferPool(workers, name=thread_name)
+    outstanding = 0
+    nbytes = 0
+    try:
+        for name in dict.fromkeys(names):
+            fetch = FileFetch(
+                pool,
+                ready,
+                volume,
+                name,
+                cache / name,
+                expected=records.get(name),
+                min_size=min_sizes.get(name, 0),
+                verify=verify,
+            )
+            fetch.start()
+            outstanding += 1
+        nfiles = outstanding
+        while outstanding:
+            done = ready.get()
+            outstanding -= 1
+            nbytes += done.result().size
+            consume(done.name, done.dest)
+            done.dest.unlink(missing_ok=True)
+    finally:
+        pool.shutdown(cancel_pending=True)
+        volume.close()  # its transfer threads end here; the next use makes new ones
+        remove_staging_dir(cache)
+    return FetchStats(nfiles, nbytes, time.perf_counter() - started, volume.retries - retries)
+
+
+def fetch_ranges(
+    volume: Volume,
+    requests: Sequence[RangeRequest[T]],
+    consume: Callable[[RangeRequest[T], memoryview], None],
+    *,
+    records: Mapping[str, FileRecord],
+    chunk_bytes: int,
+    max_inflight_bytes: int,
+    workers: int,
+    thread_name: str = "uc-range",
+) -> FetchStats:
+    """Fetch each request's bytes in parallel pieces, with at most ``max_inflight_bytes`` fetched
+    ahead of the consumer (a :class:`~uc_checkpoint.ranges.ByteBudget`; one larger request is
+    fetched alone), and call ``consume(request, data)`` on this thread for each as soon as it is
+    complete and verified. ``data`` is valid only during the call.
+
+    Args:
+        records: the record per file whose block CRC-32s verify its ranges (pass none to skip the
+            check).
+
+    Raises:
+        CorruptCheckpointError: a file is missing or short, or a block fails its checksum.
+        TransferError: a read failed for another reason.
+        Whatever ``consume`` raises. On any error the other reads are cancelled or waited for.
+    """
+    started, retries = time.perf_counter(), volume.retries
+    ready: queue.SimpleQueue[RangeFetch[T]] = queue.SimpleQueue()
+    budget = ByteBudget(max_inflight_bytes)
+    pool = TransferPool(workers, name=thread_name)
+    outstanding = nbytes = 0
+
+    def consume_one() -> None:
+        nonlocal outstanding, nbytes
+        done = ready.get()
+        outstanding -= 1
+        consume(done.request, done.result())
+        nbytes += done.request.nbytes
+        budget.give(done.request.nbytes)
+
+    try:
+        for request in requests:
+            while not budget.try_take(request.nbytes):
+                consume_one()
+            fetch = RangeFetch(pool, ready, volume, request, chunk_bytes=chunk_bytes, record=records.get(request.name))
+            fetch.start()
+            outstanding += 1
+        while outstanding:
+            consume_one()
+    finally:
+        pool.shutdown(cancel_pending=True)
+        volume.close()  # its transfer threads end here; the next use makes new ones
+    nfiles = len({r.name for r in requests})
+    return FetchStats(nfiles, nbytes, time.perf_counter() - started, volume.retries - retries)
