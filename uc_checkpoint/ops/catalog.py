@@ -281,6 +281,26 @@ def latest(
     return None
 
 
+
+# ---------------------------------------------------------------- kept for existing imports
+# (uc_checkpoint.checkpoints, the module this catalog absorbed, gave these two.)
+
+
+def list_checkpoints(root: Volume) -> list[tuple[int, str, bool]]:
+    """``(step, name, published)`` for every step location under ``root``, oldest first.
+
+    ``published`` is true when the location's ``.metadata`` exists: the save finished. New code uses
+    :func:`list_steps`, which gives :class:`CheckpointInfo` records.
+    """
+    return [(info.step, info.name, info.published) for info in list_steps(root)]
+
+
+def latest_checkpoint(root: Volume) -> tuple[int, str] | None:
+    """``(step, name)`` of the newest published checkpoint under ``root``, or ``None``. It is not
+    checked to be intact: new code uses :func:`latest`, which does."""
+    found = latest(root, intact=False)
+    return None if found is None else (found.step, found.name)
+
 __all__ = [
     "STATES",
     "CheckpointInfo",
@@ -290,6 +310,8 @@ __all__ = [
     "file_problems",
     "inspect_step",
     "latest",
+    "latest_checkpoint",
+    "list_checkpoints",
     "list_steps",
     "missing_or_short",
     "scan",
