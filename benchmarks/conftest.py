@@ -6,7 +6,7 @@ once at small sizes and they cannot rot) ``UC_BENCH_QUICK=1`` is set before the 
 
 import os
 
-from tests.s3_fixtures import fault_proxy, s3_bucket, s3_server  # noqa: F401 - pytest fixtures
+from tests.support.s3_fixtures import fault_proxy, s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 
 
 def pytest_configure(config) -> None:

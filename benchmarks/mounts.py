@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tests.s3_fixtures import REGION, moto_server, s3_client  # noqa: F401 - moto_server is part of this API
+from tests.support.s3_fixtures import REGION, moto_server, s3_client  # noqa: F401 - moto_server is part of this API
 
 log = logging.getLogger(__name__)
 

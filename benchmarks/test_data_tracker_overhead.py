@@ -19,8 +19,8 @@ import os
 import pytest
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from uc_checkpoint.data_loading import TrackedDataLoader, TrackedShardDataset
-from uc_checkpoint.data_tracker import DataTracker, ShardSpec
+from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset
+from uc_checkpoint.data.tracker import DataTracker, ShardSpec
 
 # Quick mode (--benchmark-disable, as in CI): a small epoch, run once, so the module cannot rot.
 SAMPLES = 1600 if os.environ.get("UC_BENCH_QUICK") else int(os.environ.get("UC_BENCH_SAMPLES", "20000"))

@@ -1,5 +1,5 @@
 """Per-item cost of DCP's tensor item format: ``torch.save`` / ``torch.load`` per tensor (what DCP's
-stock writer and reader do) against :class:`~uc_checkpoint.item_codec.ItemCodec`'s templates, for
+stock writer and reader do) against :class:`~uc_checkpoint.dcp.item_codec.ItemCodec`'s templates, for
 16 KiB float32 tensors (the benchmark's "small" shape).
 
 Run: ``./scripts/test.sh benchmarks/test_item_codec_speed.py --benchmark-enable --benchmark-only``
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from uc_checkpoint.item_codec import ItemCodec
+from uc_checkpoint.dcp.item_codec import ItemCodec
 
 ITEMS = 64 if os.environ.get("UC_BENCH_QUICK") else int(os.environ.get("UC_BENCH_ITEMS", "4096"))
 TENSORS = [torch.randn(512, 8, generator=torch.Generator().manual_seed(i)) for i in range(ITEMS)]

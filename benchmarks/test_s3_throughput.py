@@ -29,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from boto3.s3.transfer import TransferConfig
 
-from tests.s3_fixtures import s3_client
+from tests.support.s3_fixtures import s3_client
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.volumes import S3Volume
 

@@ -17,19 +17,19 @@ OUT = REPO / "docs" / "api.md"
 
 # (module, public names) in reading order.
 SECTIONS: list[tuple[str, list[str]]] = [
-    ("uc_checkpoint.writer", ["UCVolumeWriter"]),
-    ("uc_checkpoint.reader", ["UCVolumeReader"]),
-    ("uc_checkpoint.manager", ["CheckpointManager", "CheckpointInfo"]),
+    ("uc_checkpoint.dcp.writer", ["UCVolumeWriter"]),
+    ("uc_checkpoint.dcp.reader", ["UCVolumeReader"]),
+    ("uc_checkpoint.ops.manager", ["CheckpointManager", "CheckpointInfo"]),
     ("uc_checkpoint.ops.options", ["WriterOptions", "ReaderOptions"]),
     ("uc_checkpoint.ops.retention", ["steps_to_delete"]),
     ("uc_checkpoint.volumes", ["open_volume", "Volume", "LocalVolume", "S3Volume", "FsspecVolume"]),
-    ("uc_checkpoint.data_tracker", ["DataTracker", "ShardSpec"]),
-    ("uc_checkpoint.data_loading", ["TrackedDataLoader", "TrackedShardDataset", "TrackerStateful"]),
-    ("uc_checkpoint.garbage", ["collect_garbage", "GCReport"]),
-    ("uc_checkpoint.lineage", ["retention_plan", "abandonment_marker", "marker_applies"]),
-    ("uc_checkpoint.describe", ["list_root", "describe_checkpoint", "CheckpointSummary"]),
-    ("uc_checkpoint.verify", ["verify_checkpoint", "VerifyReport"]),
-    ("uc_checkpoint.records", ["TransferRecord", "SaveEvent"]),
+    ("uc_checkpoint.data.tracker", ["DataTracker", "ShardSpec"]),
+    ("uc_checkpoint.data.loading", ["TrackedDataLoader", "TrackedShardDataset", "TrackerStateful"]),
+    ("uc_checkpoint.ops.garbage", ["collect_garbage", "GCReport"]),
+    ("uc_checkpoint.ops.lineage", ["retention_plan", "abandonment_marker", "marker_applies"]),
+    ("uc_checkpoint.ops.summary", ["list_root", "describe_checkpoint", "CheckpointSummary"]),
+    ("uc_checkpoint.ops.verify", ["verify_checkpoint", "VerifyReport"]),
+    ("uc_checkpoint.observability", ["TransferRecord", "SaveEvent"]),
     ("uc_checkpoint.errors", None),  # every exception class, in file order
 ]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest_plugins = ["tests.s3_fixtures"]
+pytest_plugins = ["tests.support.s3_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

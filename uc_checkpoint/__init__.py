@@ -12,7 +12,7 @@ retention), ``DataTracker``/``ShardSpec`` (the data-pipeline state, pure Python)
 (what ``uc-checkpoint ls``/``inspect``/``verify`` do), the volumes, and every error class.
 
 Names that need torch are imported on first use (PEP 562 ``__getattr__``), so that
-``import uc_checkpoint.data_tracker`` or ``uc_checkpoint.errors`` costs no torch import.
+``import uc_checkpoint.data.tracker`` or ``uc_checkpoint.errors`` costs no torch import.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from uc_checkpoint.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConcurrentSaveError,
@@ -37,15 +37,15 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
-    from .data.tracker import DataTracker, ShardSpec
-    from .describe import describe_checkpoint, list_root
-    from .garbage import GCReport, collect_garbage
-    from .manager import CheckpointManager
-    from .reader import UCVolumeReader
-    from .verify import verify_checkpoint
-    from .volumes import FsspecVolume, LocalVolume, S3Volume, Volume, open_volume
-    from .writer import UCVolumeWriter
+    from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
+    from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+    from uc_checkpoint.dcp.reader import UCVolumeReader
+    from uc_checkpoint.dcp.writer import UCVolumeWriter
+    from uc_checkpoint.ops.garbage import GCReport, collect_garbage
+    from uc_checkpoint.ops.manager import CheckpointManager
+    from uc_checkpoint.ops.summary import describe_checkpoint, list_root
+    from uc_checkpoint.ops.verify import verify_checkpoint
+    from uc_checkpoint.volumes import FsspecVolume, LocalVolume, S3Volume, Volume, open_volume
 
 __version__ = "0.1.0"
 

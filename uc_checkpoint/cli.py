@@ -66,20 +66,20 @@ def _where(args: argparse.Namespace, location: str) -> Any:
     options = _volume_options(getattr(args, "volume_option", None))
     if not options:
         return location
-    from .volumes import open_volume
+    from uc_checkpoint.volumes import open_volume
 
     return open_volume(location, **options)
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from .describe import list_root, summary_dict
+    from uc_checkpoint.ops.summary import list_root, summary_dict
 
     rows = list_root(_where(args, args.root))
     if args.json:
         _print_json([summary_dict(r) for r in rows])
         return 0
     if not rows:
-        from .volumes import open_volume
+        from uc_checkpoint.volumes import open_volume
 
         hint = ""
         if ".metadata" in open_volume(_where(args, args.root)).list_files():
@@ -95,7 +95,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .describe import describe_checkpoint
+    from uc_checkpoint.ops.summary import describe_checkpoint
 
     info = describe_checkpoint(_where(args, args.checkpoint), data_state=not args.no_data_state)
     if args.json:
@@ -132,7 +132,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify_checkpoint
+    from uc_checkpoint.ops.verify import verify_checkpoint
 
     bar = None
     if not args.json and sys.stderr.isatty():
@@ -171,7 +171,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from .garbage import DEFAULT_GRACE_S, collect_garbage
+    from uc_checkpoint.ops.garbage import DEFAULT_GRACE_S, collect_garbage
 
     report = collect_garbage(
         _where(args, args.root),
@@ -212,7 +212,7 @@ class _UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import run as demo_run
+    from uc_checkpoint.demo import run as demo_run
 
     parser = argparse.ArgumentParser(prog="uc-checkpoint", description="Staged, crash-safe DCP checkpoints on volumes")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``uc-checkpoint``; returns the process exit code."""
-    from .errors import UCCheckpointError, rank_error
+    from uc_checkpoint.errors import UCCheckpointError, rank_error
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"ls": _ls, "inspect": _inspect, "verify": _verify, "gc": _gc, "bench": _bench}
     try:
         if args.command == "demo":
-            from .demo import run as demo_run
+            from uc_checkpoint.demo import run as demo_run
 
             return demo_run.run_demo(args)
         return handlers[args.command](args)

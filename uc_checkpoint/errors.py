@@ -72,7 +72,7 @@ class DataLoadingError(UCCheckpointError):
 class ItemChecksumError(CorruptCheckpointError, ValueError):
     """An item archive laid out exactly as its template whose storage record fails its CRC-32: the
     tensor's bytes were damaged after they were written (``torch.load`` would not notice). Raised
-    by :meth:`uc_checkpoint.item_codec.ItemCodec.decode`; a ``ValueError`` too, as it was before it
+    by :meth:`uc_checkpoint.dcp.item_codec.ItemCodec.decode`; a ``ValueError`` too, as it was before it
     joined this hierarchy."""
 
 

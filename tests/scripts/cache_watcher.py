@@ -1,5 +1,5 @@
 """A second process watching a checkpoint root through a filesystem that caches listings (see
-tests/caching_fs.py), as an evaluation job or a restarted rank watches the training job's root.
+tests/support/caching_fs.py), as an evaluation job or a restarted rank watches the training job's root.
 
 Usage: cache_watcher.py ROOT_URL    then, one command per line on stdin:
 ``latest`` prints ``LATEST <step or None>``; ``list`` prints ``LIST <step>,<step>,...``; ``quit``
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import warnings
 
-import tests.caching_fs  # noqa: F401 - registers the uccache:// and uccachenr:// protocols
-from uc_checkpoint.manager import CheckpointManager
+import tests.support.caching_fs  # noqa: F401 - registers the uccache:// and uccachenr:// protocols
+from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
 

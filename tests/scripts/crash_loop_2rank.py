@@ -9,7 +9,7 @@ import sys
 
 import torch.distributed as dist
 
-from tests.crash_loop import save_loop
+from tests.support.crash_loop import save_loop
 
 if __name__ == "__main__":
     root, staging, start, phase_file, confirmed, seed = sys.argv[1:7]

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.data_loading import TrackedDataLoader, TrackedShardDataset
-from uc_checkpoint.data_tracker import DataTracker, ShardSpec
+from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset
+from uc_checkpoint.data.tracker import DataTracker, ShardSpec
 
 warnings.filterwarnings("ignore")
 

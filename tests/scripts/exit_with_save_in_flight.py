@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from uc_checkpoint import UCVolumeWriter
-from uc_checkpoint.manager import CheckpointManager
+from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from uc_checkpoint.manager import CheckpointManager
+from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from uc_checkpoint.errors import VolumeError
-from uc_checkpoint.manager import CheckpointManager
+from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
 

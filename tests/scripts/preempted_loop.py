@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from uc_checkpoint.manager import CheckpointManager
+from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
 

@@ -60,7 +60,7 @@ from uc_checkpoint.errors import DataLoadingError, TrackerStateError
 
 # The name this module logged under before it moved into uc_checkpoint.data: logging configurations
 # and log filters name it.
-logger = logging.getLogger("uc_checkpoint.data_loading")
+logger = logging.getLogger("uc_checkpoint.data.loading")
 
 #: ``read_shard(shard, start, end)`` yields raw samples ``start .. end - 1`` of ``shard``, in order.
 ShardReaderFn = Callable[[ShardSpec, int, int], Iterable[Any]]

@@ -166,7 +166,7 @@ from uc_checkpoint.errors import DatasetMismatchError, TrackerStateError
 
 # The name the tracker logged under before it moved into uc_checkpoint.data: logging configurations
 # and log filters name it.
-logger = logging.getLogger("uc_checkpoint.data_tracker")
+logger = logging.getLogger("uc_checkpoint.data.tracker")
 
 # Private names of the module before the split, for code that reached into it.
 _check_int = check_int

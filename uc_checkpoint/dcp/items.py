@@ -3,7 +3,7 @@
 Items are deserialised as DCP's ``FileSystemReader.read_data`` does (``torch.load`` of each tensor
 item, narrowed to the requested slice and copied into the load plan's tensor; ``planner.load_bytes``
 for byte items), except that small tensor items written by our writer (or by ``torch.save`` of a
-plain tensor) are decoded by :class:`~uc_checkpoint.item_codec.ItemCodec`. Every failure to decode
+plain tensor) are decoded by :class:`~uc_checkpoint.dcp.item_codec.ItemCodec`. Every failure to decode
 is a :class:`~uc_checkpoint.errors.CorruptCheckpointError` naming the file, the item and its offset.
 """
 
@@ -19,9 +19,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from uc_checkpoint.dcp_compat import _StorageInfo, narrow_tensor_by_index
+from uc_checkpoint.dcp.compat import _StorageInfo, narrow_tensor_by_index
+from uc_checkpoint.dcp.item_codec import ItemChecksumError, ItemCodec
 from uc_checkpoint.errors import CorruptCheckpointError, UCCheckpointError
-from uc_checkpoint.item_codec import ItemChecksumError, ItemCodec
 from uc_checkpoint.volumes import Volume
 
 #: (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item of a checkpoint holds.
@@ -29,7 +29,7 @@ ChunkShapes = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ..
 
 
 def chunk_shapes(metadata: Metadata) -> ChunkShapes:
-    """What each tensor chunk in ``metadata`` holds, for :class:`~uc_checkpoint.item_codec.ItemCodec`."""
+    """What each tensor chunk in ``metadata`` holds, for :class:`~uc_checkpoint.dcp.item_codec.ItemCodec`."""
     return {
         (fqn, tuple(chunk.offsets)): (md.properties.dtype, tuple(chunk.sizes))
         for fqn, md in metadata.state_dict_metadata.items()
@@ -82,7 +82,7 @@ class ItemLoader:
 
     def spans(self, items: Iterable[ReadItem]) -> list[tuple[str, int, int, ReadItem]]:
         """``(file name, offset, length, item)`` of each of ``items``, for
-        :func:`~uc_checkpoint.ranges.plan_ranges`."""
+        :func:`~uc_checkpoint.engine.ranges.plan_ranges`."""
         out = []
         for item in items:
             info = self.storage_data[item.storage_index]

@@ -2,7 +2,7 @@
 
 The format is what ``FileSystemWriter`` writes with ``SerializationFormat.TORCH_SAVE`` (one
 ``torch.save`` archive per tensor, pickled bytes as they are), so stock DCP readers load our
-checkpoints; small tensors go through :class:`~uc_checkpoint.item_codec.ItemCodec`, which writes
+checkpoints; small tensors go through :class:`~uc_checkpoint.dcp.item_codec.ItemCodec`, which writes
 the same archives without pickling each item. The file loop follows DCP's ``_write_files_from_queue``
 (``torch/distributed/checkpoint/filesystem.py``), with two changes: each file is reported the
 moment it is closed (so its upload starts while the next one is written), and a rank's files are
@@ -34,16 +34,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from uc_checkpoint import layout
-from uc_checkpoint.dcp_compat import (
+from uc_checkpoint.dcp.compat import (
     CURRENT_DCP_VERSION,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
     cpu_loader,
 )
+from uc_checkpoint.dcp.item_codec import ItemCodec
 from uc_checkpoint.errors import TransferError
-from uc_checkpoint.item_codec import ItemCodec
+from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import FileRecord
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def _write_result(item: Any, storage_key: str, offset: int, length: int) -> Writ
 
 
 def with_file_prefix(plan: SavePlan, rank: int, token: str) -> SavePlan:
-    """``plan`` naming its data files ``__<rank>_<token>_<n>.distcp`` (see :mod:`uc_checkpoint.layout`)."""
+    """``plan`` naming its data files ``__<rank>_<token>_<n>.distcp`` (see :mod:`uc_checkpoint.format.layout`)."""
     return dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(rank, token)))
 
 
@@ -260,7 +260,7 @@ def complete_metadata(
 ) -> None:
     """Fill in what the storage layer owns in DCP's ``metadata``: the format version, where each
     item is stored, ``storage_meta``, and our manifest of the data files ``records`` (see
-    :mod:`uc_checkpoint.layout`), signed with this process's host, pid and the time."""
+    :mod:`uc_checkpoint.format.layout`), signed with this process's host, pid and the time."""
     saved_by = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = storage_md

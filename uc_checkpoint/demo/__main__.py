@@ -1,5 +1,5 @@
 """Run the demo: ``python -m uc_checkpoint.demo``."""
 
-from .run import main
+from uc_checkpoint.demo.run import main
 
 raise SystemExit(main())

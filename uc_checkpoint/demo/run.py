@@ -1,7 +1,7 @@
 """The resume-after-preemption demo (``uc-checkpoint demo``).
 
 1. Packs the standard library's ``.py`` sources into byte-token shards; the data pipeline is a
-   :class:`~uc_checkpoint.data_loading.TrackedDataLoader` (2 workers per rank by default) whose
+   :class:`~uc_checkpoint.data.loading.TrackedDataLoader` (2 workers per rank by default) whose
    tracker state is part of every checkpoint.
 2. Trains the reference: the whole run, two ranks under ``torchrun``, no checkpoints.
 3. Trains again with ``dcp.async_save`` + :class:`UCVolumeWriter` every ``--save-every`` steps, and
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..ops import catalog
-from ..volumes import open_volume
+from uc_checkpoint.ops import catalog
+from uc_checkpoint.volumes import open_volume
 
 DEMO_SHARDS = 24
 """Shards the demo cuts its corpus into."""
@@ -315,7 +315,7 @@ def compare(ref_path: Path, got_path: Path) -> list[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .data import build_shards
+    from uc_checkpoint.demo.data import build_shards
 
     if args.save_every < 1 or args.steps < 3 * args.save_every:
         raise SystemExit("uc-checkpoint demo: --steps must be at least 3 x --save-every")
@@ -340,7 +340,7 @@ def run_demo(args: argparse.Namespace) -> int:
     deadline_each = args.timeout
     started = time.time()
 
-    from .model import GPTConfig
+    from uc_checkpoint.demo.model import GPTConfig
 
     seq_len = (GPTConfig.demo() if args.model == "demo" else GPTConfig.gpt2_small()).seq_len
     resize_steps = args.save_every if args.resize_to else 0

@@ -33,15 +33,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..data_loading import TrackedDataLoader, TrackedShardDataset
-from ..data_tracker import DataTracker, ShardSpec
-from ..ops import catalog
-from ..ops.catalog import checkpoint_name
-from ..reader import UCVolumeReader
-from ..volumes import open_volume
-from ..writer import UCVolumeWriter
-from .data import ShardReader, ShardSet
-from .model import GPT, GPTConfig, shard_model
+from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset
+from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+from uc_checkpoint.dcp.reader import UCVolumeReader
+from uc_checkpoint.dcp.writer import UCVolumeWriter
+from uc_checkpoint.demo.data import ShardReader, ShardSet
+from uc_checkpoint.demo.model import GPT, GPTConfig, shard_model
+from uc_checkpoint.ops import catalog
+from uc_checkpoint.ops.catalog import checkpoint_name
+from uc_checkpoint.volumes import open_volume
 
 
 class Events:

@@ -8,13 +8,13 @@ budget and hand finished requests to the consumer in the order they complete. Th
 the calling thread, so it can use that thread's state (a DCP load's session).
 
 Both modes share one failure path: the tasks of a request run in a
-:class:`~uc_checkpoint.transfer.TransferGroup` on a bounded
-:class:`~uc_checkpoint.transfer.TransferPool` (s3transfer's bounded executor and coordinator), whose
+:class:`~uc_checkpoint.engine.transfer.TransferGroup` on a bounded
+:class:`~uc_checkpoint.engine.transfer.TransferPool` (s3transfer's bounded executor and coordinator), whose
 ``results`` raises the first failure, a foreign error wrapped once into ``TransferError("reading
 <file> failed: ...")``. A failure ends the whole fetch: requests not yet started are cancelled,
 running ones are waited for, and the volume's clients are closed.
 
-Nothing here knows DCP: a request's items are opaque (see :class:`~uc_checkpoint.ranges.RangeRequest`).
+Nothing here knows DCP: a request's items are opaque (see :class:`~uc_checkpoint.engine.ranges.RangeRequest`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from uc_checkpoint.engine.ranges import ByteBudget, RangeRequest
+from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir
+from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
 from uc_checkpoint.errors import CorruptCheckpointError
-from uc_checkpoint.integrity import FileRecord, verify_blocks
-from uc_checkpoint.ranges import ByteBudget, RangeRequest
-from uc_checkpoint.records import TransferRecord
-from uc_checkpoint.staging import create_staging_dir, remove_staging_dir
-from uc_checkpoint.transfer import TransferGroup, TransferPool
+from uc_checkpoint.format.integrity import FileRecord, verify_blocks
+from uc_checkpoint.observability import TransferRecord
 from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class FetchStats:
     retries: int
 
     def record(self, location: str, rank: int) -> TransferRecord:
-        """This fetch as a load's :class:`~uc_checkpoint.records.TransferRecord` (reads and
+        """This fetch as a load's :class:`~uc_checkpoint.observability.TransferRecord` (reads and
         deserialisation overlap, so the transfer time is the whole read step)."""
         return TransferRecord(
             op="load",
@@ -186,7 +186,7 @@ class FileFetch(_Pipeline[FileRecord]):
 
 
 class RangeFetch(_Pipeline[None], Generic[T]):
-    """Fetch one :class:`~uc_checkpoint.ranges.RangeRequest` as parallel pieces of at most
+    """Fetch one :class:`~uc_checkpoint.engine.ranges.RangeRequest` as parallel pieces of at most
     ``chunk_bytes`` into one buffer, then check the checksum blocks it covers.
 
     Args:
@@ -194,7 +194,7 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         request: the byte range and its (opaque) items.
         chunk_bytes: largest single read.
         record: the file's record, whose block CRC-32s verify the range (None: not verified; the
-            range must then be block-aligned, see :func:`~uc_checkpoint.ranges.plan_ranges`).
+            range must then be block-aligned, see :func:`~uc_checkpoint.engine.ranges.plan_ranges`).
     """
 
     def __init__(
@@ -310,7 +310,7 @@ def fetch_ranges(
     thread_name: str = "uc-range",
 ) -> FetchStats:
     """Fetch each request's bytes in parallel pieces, with at most ``max_inflight_bytes`` fetched
-    ahead of the consumer (a :class:`~uc_checkpoint.ranges.ByteBudget`; one larger request is
+    ahead of the consumer (a :class:`~uc_checkpoint.engine.ranges.ByteBudget`; one larger request is
     fetched alone), and call ``consume(request, data)`` on this thread for each as soon as it is
     complete and verified. ``data`` is valid only during the call.
 

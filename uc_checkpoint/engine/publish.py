@@ -13,7 +13,7 @@ each can be tested on any :class:`~uc_checkpoint.volumes.Volume`):
 4. :func:`remove_superseded`: the replaced checkpoint's data files go, best effort.
 
 The marker protocol (names, and which of two concurrent saves publishes) is described in
-:mod:`uc_checkpoint.layout`. The read-back in step 3 exists because some FUSE mounts report a rename
+:mod:`uc_checkpoint.format.layout`. The read-back in step 3 exists because some FUSE mounts report a rename
 or a write as done and lose it; deleting in step 4 after such a loss would lose both checkpoints.
 """
 
@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uc_checkpoint import layout
 from uc_checkpoint.errors import CheckpointExistsError, ConcurrentSaveError, LocationNotEmptyError, TransferError
+from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 #: Incomplete multipart uploads younger than this (seconds) may belong to a save still running.
 LIVE_UPLOAD_S = 3600.0
 
-#: Reads the manifest (see :mod:`uc_checkpoint.layout`) out of a published ``.metadata``'s bytes:
+#: Reads the manifest (see :mod:`uc_checkpoint.format.layout`) out of a published ``.metadata``'s bytes:
 #: None for a checkpoint without one; may raise anything for bytes it cannot decode. It is passed
 #: in because decoding ``.metadata`` needs DCP's types, which this module does without.
 ManifestReader = Callable[[bytes], Mapping[str, Any] | None]
@@ -46,7 +46,7 @@ ManifestReader = Callable[[bytes], Mapping[str, Any] | None]
 
 @dataclass(frozen=True)
 class SaveMarker:
-    """The marker one save keeps at its location while it runs (see :mod:`uc_checkpoint.layout`).
+    """The marker one save keeps at its location while it runs (see :mod:`uc_checkpoint.format.layout`).
 
     Attributes:
         rank: the rank of a rank-local save (DCP without collectives), else None.

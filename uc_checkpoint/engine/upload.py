@@ -1,8 +1,8 @@
 """One rank's uploads in one save: staged files go to the volume as soon as each is closed.
 
 An :class:`UploadSession` owns what lives exactly as long as the rank's ``write_data``: the staging
-directory, the upload pool and its :class:`~uc_checkpoint.transfer.TransferGroup`, the size check of
-every uploaded file, the timings, and the :class:`~uc_checkpoint.records.TransferRecord`. Its way
+directory, the upload pool and its :class:`~uc_checkpoint.engine.transfer.TransferGroup`, the size check of
+every uploaded file, the timings, and the :class:`~uc_checkpoint.observability.TransferRecord`. Its way
 out is registered on the group, as s3transfer registers "abort this upload" on its coordinator:
 whichever way the save ends, the pool is shut down, the volume's clients are closed and the staging
 directory is removed, once and in that order.
@@ -18,10 +18,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
 
+from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir
+from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
 from uc_checkpoint.errors import StagingError, TransferError
-from uc_checkpoint.records import TransferRecord
-from uc_checkpoint.staging import create_staging_dir, remove_staging_dir
-from uc_checkpoint.transfer import TransferGroup, TransferPool
+from uc_checkpoint.observability import TransferRecord
 from uc_checkpoint.volumes import FileRecord, Volume
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class UploadSession:
 
     def finish(self) -> tuple[dict[str, FileRecord], TransferRecord]:
         """Every file is staged: wait for the uploads; return their records by file name and the
-        rank's :class:`~uc_checkpoint.records.TransferRecord` of the save.
+        rank's :class:`~uc_checkpoint.observability.TransferRecord` of the save.
 
         Raises:
             TransferError (or the volume's own error): the first failed upload.

@@ -2,7 +2,7 @@
 
 uc_checkpoint stores a manifest of every data file (size in bytes, CRC-32 of the whole file and of
 each block) as the plain-dict attribute ``uc_manifest`` of DCP's ``Metadata`` (see
-:mod:`uc_checkpoint.layout` for the shape). Stock readers ignore the attribute, and the pickled dict
+:mod:`uc_checkpoint.format.layout` for the shape). Stock readers ignore the attribute, and the pickled dict
 is the on-volume format, so it stays a dict of built-in types. :class:`Manifest` and
 :class:`ManifestEntry` are its typed view: :meth:`Manifest.from_dict` owns the checks of that dict
 (readable formats, the ``files`` records) and :meth:`Manifest.to_dict` builds exactly the dict the
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from uc_checkpoint.integrity import FileRecord
+from uc_checkpoint.format.integrity import FileRecord
 
 #: The format this release writes.
 MANIFEST_FORMAT = 3

@@ -7,7 +7,7 @@ described by one record, :class:`CheckpointInfo`, in one of four states:
 * ``"incomplete"``: no ``.metadata`` (a save in progress, or one that failed);
 * ``"broken"``: published, but a data file is missing or short, or the ``.metadata`` does not
   decode (or is unsafe); ``problem`` says which;
-* ``"abandoned"``: intact, but on a branch a rollback left (:mod:`uc_checkpoint.lineage`);
+* ``"abandoned"``: intact, but on a branch a rollback left (:mod:`uc_checkpoint.ops.lineage`);
 * ``"complete"``: published, every data file there with its recorded size, not abandoned.
 
 :func:`list_steps` only lists (one LIST of the root and a HEAD of each ``.metadata``);
@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME
 from uc_checkpoint.format.manifest import entries_of
-from uc_checkpoint.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME
-from uc_checkpoint.lineage import abandonment_of
-from uc_checkpoint.metadata_io import manifest_of, read_metadata, referenced_files
+from uc_checkpoint.ops.lineage import abandonment_of
 from uc_checkpoint.volumes import Volume
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -
     """What is wrong with the data files a published checkpoint references, judged from a listing
     (``files``: name -> bytes): ``{name: problem}`` for every file that is missing or has another
     size than the manifest recorded (or less than its items need). Empty when every file is there
-    whole (checksums are :mod:`uc_checkpoint.verify`'s job)."""
+    whole (checksums are :mod:`uc_checkpoint.ops.verify`'s job)."""
     exact = {name: entry.size for name, entry in entries_of(manifest_of(metadata)).items()}
     out: dict[str, str] = {}
     for name, least in sorted(referenced_files(metadata).items()):
@@ -166,7 +166,7 @@ def inspect_step(
         info: a record from :func:`list_steps`.
         retry: how each store call is made (see :class:`Retry`).
         allow_unsafe: unpickle the ``.metadata`` without the allow-list (see
-            :func:`uc_checkpoint.metadata_io.load_metadata`).
+            :func:`uc_checkpoint.dcp.metadata_io.load_metadata`).
         details: also fill ``bytes``, ``files`` and ``age_s`` (for listings such as ``ls``; costs
             the location's modification times, and its listing also for unpublished locations).
         rollback_first: look for a rollback marker even on a checkpoint with missing files, and
@@ -281,7 +281,6 @@ def latest(
     return None
 
 
-
 # ---------------------------------------------------------------- kept for existing imports
 # (uc_checkpoint.checkpoints, the module this catalog absorbed, gave these two.)
 
@@ -300,6 +299,7 @@ def latest_checkpoint(root: Volume) -> tuple[int, str] | None:
     checked to be intact: new code uses :func:`latest`, which does."""
     found = latest(root, intact=False)
     return None if found is None else (found.step, found.name)
+
 
 __all__ = [
     "STATES",

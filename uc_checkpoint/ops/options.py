@@ -1,11 +1,11 @@
-"""Typed settings for the writer and reader a :class:`~uc_checkpoint.manager.CheckpointManager` creates.
+"""Typed settings for the writer and reader a :class:`~uc_checkpoint.ops.manager.CheckpointManager` creates.
 
 ``CheckpointManager(writer_options=..., reader_options=...)`` takes a :class:`WriterOptions` /
 :class:`ReaderOptions` or a plain dict of the same fields (converted with ``from_dict``). Either way
 the settings are checked once, when the manager is built, rather than at the first save or load
 (settings kept apart from the engine and validated in one loop, after s3transfer's
 ``TransferConfig``). Each field is the keyword argument of the same name of
-:class:`~uc_checkpoint.writer.UCVolumeWriter` / :class:`~uc_checkpoint.reader.UCVolumeReader`, with
+:class:`~uc_checkpoint.dcp.writer.UCVolumeWriter` / :class:`~uc_checkpoint.dcp.reader.UCVolumeReader`, with
 the same default.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from uc_checkpoint.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES
+from uc_checkpoint.engine.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES
 
 _OptionsT = TypeVar("_OptionsT", bound="_Options")
 
@@ -98,14 +98,14 @@ class _Options(Mapping[str, Any]):
 
 @dataclass(frozen=True)
 class WriterOptions(_Options):
-    """Settings of the :class:`~uc_checkpoint.writer.UCVolumeWriter` each save creates.
+    """Settings of the :class:`~uc_checkpoint.dcp.writer.UCVolumeWriter` each save creates.
 
     Attributes:
         upload_workers: files uploaded at once per rank (>= 1).
         thread_count: DCP serialisation threads per rank (>= 1).
         file_size_bytes: target size of one data file, in bytes (>= 1); smaller files start
             uploading sooner but cost more requests. None: sized from the rank's share (about 16
-            files of 16-256 MiB, :func:`uc_checkpoint.writer.auto_file_size`).
+            files of 16-256 MiB, :func:`uc_checkpoint.dcp.writer.auto_file_size`).
         overwrite: a save may replace a checkpoint already published at its step's location (the
             old one stays loadable until the new ``.metadata`` replaces it).
         create_parents: create missing parent directories of a local location.
@@ -139,7 +139,7 @@ class WriterOptions(_Options):
 
 @dataclass(frozen=True)
 class ReaderOptions(_Options):
-    """Settings of the :class:`~uc_checkpoint.reader.UCVolumeReader` each load (and each check of a
+    """Settings of the :class:`~uc_checkpoint.dcp.reader.UCVolumeReader` each load (and each check of a
     checkpoint's ``.metadata``) creates.
 
     Attributes:
@@ -156,7 +156,7 @@ class ReaderOptions(_Options):
             as parallel pieces of this size.
         allow_unsafe_metadata: unpickle ``.metadata`` with plain :func:`pickle.loads`. **Risk:**
             whoever can write to the root can then run code in this process; see
-            :class:`~uc_checkpoint.reader.UCVolumeReader`.
+            :class:`~uc_checkpoint.dcp.reader.UCVolumeReader`.
 
     Raises:
         TypeError: a field of the wrong type.

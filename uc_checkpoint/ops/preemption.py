@@ -4,7 +4,7 @@ Schedulers and spot/preemptible VMs send SIGTERM some seconds before they kill a
 saved from inside a signal handler (collectives and file I/O are not safe there), so the handler
 records the signal and the training loop, at its next step boundary, asks every rank whether any of
 them was told (:func:`any_rank`) and then takes a final save together
-(:meth:`uc_checkpoint.manager.CheckpointManager.save_final`).
+(:meth:`uc_checkpoint.ops.manager.CheckpointManager.save_final`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 class PreemptionNotice:
     """The flag a preemption signal sets, and the handlers it replaced.
 
-    One per :class:`~uc_checkpoint.manager.CheckpointManager` (no global state: two managers in one
+    One per :class:`~uc_checkpoint.ops.manager.CheckpointManager` (no global state: two managers in one
     process each keep their own flag, the last installed handler receives the signal).
     """
 

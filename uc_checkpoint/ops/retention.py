@@ -1,10 +1,10 @@
 """Which checkpoints a retention policy deletes: a pure function over steps, no volume, no ranks.
 
-:class:`~uc_checkpoint.manager.CheckpointManager` lists the root, asks :func:`steps_to_delete` and
+:class:`~uc_checkpoint.ops.manager.CheckpointManager` lists the root, asks :func:`steps_to_delete` and
 deletes what it names (``.metadata`` first, then the data files). Keeping the decision apart from the
 deletion lets it be tested over tables of cases, as torchsnapshot's ``manifest_ops`` are.
 
-This is the policy :func:`uc_checkpoint.lineage.retention_plan` implements over ``(step,
+This is the policy :func:`uc_checkpoint.ops.lineage.retention_plan` implements over ``(step,
 abandoned)`` pairs; that function stays where it is (its tests and docs name it) and the two are
 checked against each other by ``tests/test_retention.py``.
 """
@@ -29,7 +29,7 @@ def steps_to_delete(
             locations are garbage collection's business, never retention's).
         keep_last: how many of the newest to keep; None keeps everything. "Newest" follows the
             run's lineage: every step of the current line is newer than every ``abandoned`` step
-            (a rollback's abandoned branch, :mod:`uc_checkpoint.lineage`), and within each group
+            (a rollback's abandoned branch, :mod:`uc_checkpoint.ops.lineage`), and within each group
             the higher step is newer.
         keep_every: also keep every step that is a multiple of this (None or 0: no such rule).
         protect: steps never deleted (the save just published, the one in flight).

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import VolumeError
-from .base import Entry, FileRecord, Volume
-from .fsspec_volume import FsspecVolume
-from .local import LocalVolume
-from .locations import local_path_of_file_url, require_location
-from .memory import MemoryStore, MemoryVolume
-from .s3 import S3Volume
+from uc_checkpoint.errors import VolumeError
+from uc_checkpoint.volumes.base import Entry, FileRecord, Volume
+from uc_checkpoint.volumes.fsspec_volume import FsspecVolume
+from uc_checkpoint.volumes.local import LocalVolume
+from uc_checkpoint.volumes.locations import local_path_of_file_url, require_location
+from uc_checkpoint.volumes.memory import MemoryStore, MemoryVolume
+from uc_checkpoint.volumes.s3 import S3Volume
 
 __all__ = [
     "Entry",

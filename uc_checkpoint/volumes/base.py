@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CorruptCheckpointError, TransferError, UCCheckpointError
-from ..integrity import Digest, FileRecord, copy_stream
+from uc_checkpoint.errors import CorruptCheckpointError, TransferError, UCCheckpointError
+from uc_checkpoint.format.integrity import Digest, FileRecord, copy_stream
 
 __all__ = ["Entry", "FileRecord", "Volume"]
 
@@ -200,14 +200,14 @@ class Volume(ABC):
 
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
         """Copy a finished local file to ``name``, verify what landed, and return its record
-        (size, CRC-32, block CRC-32s; see :mod:`uc_checkpoint.integrity`).
+        (size, CRC-32, block CRC-32s; see :mod:`uc_checkpoint.format.integrity`).
 
         The file is written under its final name (no rename): nobody reads data files before
         ``.metadata`` points at them. With ``sync`` the data is made durable before returning.
         Verification: the size on the volume, and the store's own checksum where it keeps one.
 
         The default streams ``local_path`` through :meth:`open_write`, checksumming on the way
-        (:func:`~uc_checkpoint.integrity.copy_stream`), then compares :meth:`size` with the bytes
+        (:func:`~uc_checkpoint.format.integrity.copy_stream`), then compares :meth:`size` with the bytes
         sent.
 
         Raises:

@@ -27,9 +27,9 @@ import logging
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from .base import Entry, Volume
-from .locations import canonical_key_path
+from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from uc_checkpoint.volumes.base import Entry, Volume
+from uc_checkpoint.volumes.locations import canonical_key_path
 
 logger = logging.getLogger(__name__)
 

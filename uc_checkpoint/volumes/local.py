@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from .base import Entry, Volume
+from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from uc_checkpoint.volumes.base import Entry, Volume
 
 logger = logging.getLogger(__name__)
 

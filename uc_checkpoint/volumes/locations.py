@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import VolumeError
+from uc_checkpoint.errors import VolumeError
 
 # S3's rules for bucket names (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html):
 # 3-63 characters; lowercase letters, digits, dots and hyphens; a letter or digit at both ends.

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from ..integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
-from .base import Entry, Volume
-from .locations import canonical_key_path, check_bucket_name
+from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
+from uc_checkpoint.volumes.base import Entry, Volume
+from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,143 @@
+"""The ``uc-checkpoint`` verbs on real checkpoints, on a local path and on the local S3 server, run as
+a user runs them (the installed console script, a real process): ls, inspect, verify, gc; --json;
+one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from uc_checkpoint.data.loading import TrackerStateful
+from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+from uc_checkpoint.ops.manager import CheckpointManager
+
+SHARDS = [ShardSpec(f"part-{i:03d}.jsonl", 50) for i in range(6)]
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("uc-checkpoint", path=str(Path(sys.executable).parent))
+    assert exe, "the uc-checkpoint console script is not installed in the venv"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def make_root(root: str) -> DataTracker:
+    """Two published checkpoints (model + AdamW-like state + data-pipeline state) and one save
+    that never published, under ``root``."""
+    tracker = DataTracker(SHARDS, seed=7)
+    tracker.start_epoch(0)
+    manager = CheckpointManager(root, keep_last=None, async_save=False)
+    for step in (10, 20):
+        tracker.record(0, 30)
+        sd = {
+            "model": {"w": torch.full((64, 32), float(step)), "b": torch.zeros(32, dtype=torch.bfloat16)},
+            "optim": {"step": step, "exp_avg": torch.ones(64, 32)},
+            "data": TrackerStateful(tracker),
+        }
+        manager.save(step, sd)
+    return tracker
+
+
+def test_ls_inspect_verify_on_a_local_root(tmp_path: Path, staging: Path) -> None:
+    root = tmp_path / "run"
+    make_root(str(root))
+    # An unpublished location (a save that died) and a damaged checkpoint.
+    (root / "step_00000030").mkdir()
+    (root / "step_00000030" / "__0_deadbeef_0.distcp").write_bytes(b"x" * 10)
+
+    out = cli("ls", str(root))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "complete" in lines[1] and lines[1].split()[0] == "10", out.stdout
+    assert "incomplete" in lines[3] and lines[3].split()[0] == "30", out.stdout
+    rows = json.loads(cli("ls", str(root), "--json").stdout)
+    assert [(r["step"], r["state"]) for r in rows] == [(10, "complete"), (20, "complete"), (30, "incomplete")]
+    assert rows[0]["files"] >= 1 and rows[0]["bytes"] > 64 * 32 * 4
+
+    info = json.loads(cli("inspect", str(root / "step_00000020"), "--json").stdout)
+    items = {i["key"]: i for i in info["items"]}
+    assert items["model.w"]["shape"] == [64, 32] and items["model.w"]["dtype"] == "float32"
+    assert items["model.w"]["bytes"] == 64 * 32 * 4
+    assert items["model.b"]["dtype"] == "bfloat16"
+    assert info["files"]["0"] and info["saved_by"]["pid"] > 0
+    (state,) = info["data_pipeline"].values()
+    assert state["epoch"] == 0 and state["samples_consumed_in_epoch"] == 60
+    assert state["samples_remaining_in_epoch"] == 300 - 60 and state["num_shards"] == 6
+    text = cli("inspect", str(root / "step_00000020")).stdout
+    assert "model.w" in text and "60 samples consumed" in text
+
+    good = cli("verify", str(root / "step_00000010"), "-v")  # -v after the verb works too
+    assert good.returncode == 0 and ": OK;" in good.stdout and " checksummed (" in good.stdout, (
+        good.stdout + good.stderr
+    )
+    # Output cut short by the reader (`| head -1`) is not an error.
+    exe = shutil.which("uc-checkpoint", path=str(Path(sys.executable).parent))
+    piped = subprocess.run(
+        ["bash", "-c", f"'{exe}' inspect '{root / 'step_00000020'}' | head -1; exit ${{PIPESTATUS[0]}}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert piped.returncode == 0 and "Broken pipe" not in piped.stderr, piped.stderr
+
+    # A flipped byte in a data file: verify names it and exits 1; ls does not see it (sizes only).
+    ckpt = root / "step_00000020"
+    victim = sorted(ckpt.glob("*.distcp"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    bad = cli("verify", str(ckpt), "--json")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    report = json.loads(bad.stdout)
+    assert not report["ok"] and victim.name in report["problems"][0] and "checksum" in report["problems"][0]
+    # A missing file: ls reports the checkpoint broken and names the file.
+    victim.unlink()
+    rows = json.loads(cli("ls", str(root), "--json").stdout)
+    assert rows[1]["state"] == "broken" and victim.name in rows[1]["problem"]
+
+    gc = cli("gc", str(root), "--grace-s", "0", "--no-staging", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert any("step_00000030" in f for f in json.loads(gc.stdout)["deleted_files"])
+
+
+def test_verbs_on_s3(tmp_path: Path, staging: Path, s3_server: str, s3_bucket: str) -> None:
+    root = f"s3://{s3_bucket}/runs/a"
+    env = {"AWS_ENDPOINT_URL": s3_server}
+    os.environ["AWS_ENDPOINT_URL"] = s3_server
+    try:
+        make_root(root)
+    finally:
+        del os.environ["AWS_ENDPOINT_URL"]
+    rows = json.loads(cli("ls", root, "--json", env=env).stdout)
+    assert [(r["step"], r["state"]) for r in rows] == [(10, "complete"), (20, "complete")]
+    info = json.loads(cli("inspect", f"{root}/step_00000010", "--json", env=env).stdout)
+    assert {"model.w", "optim.exp_avg"} <= {i["key"] for i in info["items"]}
+    ok = cli("verify", f"{root}/step_00000010", env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["ls", "/no/such/root"], "does not exist"),
+        (["inspect", "/no/such/ckpt"], "/no/such/ckpt"),
+        (["verify", "/no/such/ckpt"], "/no/such/ckpt"),
+        (["gc", "/tmp", "--grace-s", "-1"], "grace_s"),
+        (["inspect", "foo://bucket/x"], "foo"),
+        (["ls", "/tmp", "--bogus"], "--bogus"),
+    ],
+)
+def test_user_mistakes_are_one_line(args: list[str], needle: str) -> None:
+    out = cli(*args)
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr and not out.stdout, (out.stdout, out.stderr)
+    assert needle in out.stderr, out.stderr
+    assert len([line for line in out.stderr.splitlines() if line.strip()]) <= 2, (
+        out.stderr
+    )  # argparse adds its usage line

@@ -1,0 +1,349 @@
+"""S3 volumes against a real S3 server (moto over HTTP, real boto3), with faults injected at the
+HTTP level by a proxy; and fsspec volumes (memory://, file://)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.conftest import assert_state_dict_equal, empty_like_state_dict, make_state_dict, staging_files
+from tests.support.s3_fixtures import FaultProxy, s3_client
+from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from uc_checkpoint.volumes import FsspecVolume, S3Volume, open_volume
+
+# Every character class S3 keys allow that URLs and shells treat specially.
+AWKWARD_PREFIX = "runs/ä ö+%20=&;@$,:'!(x)*#?~^|`{}[]<>/step 0001"
+
+
+def cause(ei: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
+    """The first rank's original exception inside DCP's CheckpointException."""
+    inner = next(iter(ei.value.failures.values()))
+    return inner[0] if isinstance(inner, tuple) else inner
+
+
+def s3_volume(endpoint: str, bucket: str, prefix: str, **kw) -> S3Volume:
+    kw.setdefault("max_attempts", 4)
+    return S3Volume(f"s3://{bucket}/{prefix}", endpoint_url=endpoint, **kw)
+
+
+def keys(endpoint: str, bucket: str) -> dict[str, dict]:
+    client = s3_client(endpoint)
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            out[obj["Key"]] = obj
+    return out
+
+
+def save_and_load(volume, sd: dict, **reader_kw) -> dict:
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
+    out = empty_like_state_dict(sd)
+    dcp.load(out, storage_reader=UCVolumeReader(volume, **reader_kw))
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["ranges", "whole-files"])
+def test_round_trip_with_awkward_keys(s3_server: str, s3_bucket: str, staging: Path, prefetch: bool) -> None:
+    volume = s3_volume(s3_server, s3_bucket, AWKWARD_PREFIX)
+    sd = make_state_dict(1)
+    out = save_and_load(volume, sd, prefetch_files=prefetch)
+    assert_state_dict_equal(sd, out)
+    stored = keys(s3_server, s3_bucket)
+    assert f"{AWKWARD_PREFIX}/.metadata" in stored
+    data = [k for k in stored if k.endswith(".distcp")]
+    assert len(data) >= 2 and all(k.startswith(AWKWARD_PREFIX + "/__0_") for k in data)
+    assert staging_files(staging) == []
+
+
+def test_endpoint_and_credentials_from_the_environment(
+    s3_server: str, s3_bucket: str, staging: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    url = f"s3://{s3_bucket}/env/ck"
+    assert isinstance(open_volume(url), S3Volume)
+    sd = make_state_dict(2, n=2)
+    out = save_and_load(url, sd)
+    assert_state_dict_equal(sd, out)
+    assert "env/ck/.metadata" in keys(s3_server, s3_bucket)
+
+
+def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str, s3_bucket: str, staging: Path) -> None:
+    volume = s3_volume(s3_server, s3_bucket, "mp", multipart_threshold=5 << 20, part_size=5 << 20)
+    sd = {"big": torch.randn(3 << 20), "small": torch.arange(7)}  # 12 MiB: three parts
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume))
+    client = s3_client(s3_server)
+    (data_key,) = [k for k in keys(s3_server, s3_bucket) if k.endswith(".distcp")]
+    head = client.head_object(Bucket=s3_bucket, Key=data_key, ChecksumMode="ENABLED")
+    assert head["ETag"].strip('"').endswith("-3")  # really a multipart upload
+    assert head.get("ChecksumCRC32")  # the store checked and kept a CRC-32
+    meta = UCVolumeReader(volume).load_metadata()
+    record = meta.uc_manifest["files"][data_key.rsplit("/", 1)[1]]
+    assert record["size"] == head["ContentLength"]
+    assert len(record["blocks"]) == 4 * -(-record["size"] // (4 << 20))  # a CRC-32 per 4 MiB block
+    out = {"big": torch.zeros(3 << 20), "small": torch.zeros(7, dtype=torch.int64)}
+    dcp.load(out, storage_reader=UCVolumeReader(volume, range_chunk_bytes=1 << 20))
+    assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
+    assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+
+
+def test_partial_load_fetches_only_the_needed_ranges(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    volume = s3_volume(fault_proxy.url, s3_bucket, "partial")
+    sd = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 1 MiB each, 8 MiB in one file
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 20))
+    fault_proxy.reset()
+    out = {"t5": torch.zeros(256, 1024)}
+    dcp.load(out, storage_reader=UCVolumeReader(volume, range_gap_bytes=0))
+    assert torch.equal(out["t5"], sd["t5"])
+    ranges = [r.header("Range") for r in fault_proxy.history if r.method == "GET" and ".distcp" in r.path]
+    assert ranges and all(rng and rng.startswith("bytes=") for rng in ranges), ranges
+    spans = [tuple(int(x) for x in rng[len("bytes=") :].split("-")) for rng in ranges]
+    fetched = sum(hi - lo + 1 for lo, hi in spans)
+    # The one tensor (1 MiB) widened to its 4 MiB checksum blocks at most: never the 8 MiB file.
+    assert 1 << 20 <= fetched <= 4 << 20, spans
+
+
+def test_overwrite_false_uses_a_conditional_put(s3_server: str, s3_bucket: str, staging: Path) -> None:
+    volume = s3_volume(s3_server, s3_bucket, "once")
+    volume.publish_bytes("marker", b"first", overwrite=False)
+    # The store itself refuses the second PUT (If-None-Match: *): no check-then-write race.
+    with pytest.raises(CheckpointExistsError, match=r"s3://.*/once/marker"):
+        volume.publish_bytes("marker", b"second", overwrite=False)
+    assert volume.read_bytes("marker") == b"first"
+    volume.delete("marker")
+    dcp.save(make_state_dict(3, n=1), storage_writer=UCVolumeWriter(volume, overwrite=False))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state_dict(4, n=1), storage_writer=UCVolumeWriter(volume, overwrite=False))
+    assert isinstance(cause(ei), CheckpointExistsError)
+    out = empty_like_state_dict(make_state_dict(3, n=1))
+    dcp.load(out, storage_reader=UCVolumeReader(volume))
+    assert_state_dict_equal(make_state_dict(3, n=1), out)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["ranges", "whole-files"])
+def test_corrupted_missing_and_truncated_objects_are_named(
+    s3_server: str, s3_bucket: str, staging: Path, prefetch: bool
+) -> None:
+    volume = s3_volume(s3_server, s3_bucket, f"bad-{prefetch}")
+    sd = make_state_dict(5)
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
+    client = s3_client(s3_server)
+    data_keys = sorted(k for k in keys(s3_server, s3_bucket) if k.endswith(".distcp") and k.startswith(volume.prefix))
+
+    def load() -> BaseException:
+        with pytest.raises(CheckpointException) as ei:
+            dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(volume, prefetch_files=prefetch))
+        return cause(ei)
+
+    # One flipped byte, same size: only a checksum can tell.
+    body = bytearray(client.get_object(Bucket=s3_bucket, Key=data_keys[0])["Body"].read())
+    original = bytes(body)
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=s3_bucket, Key=data_keys[0], Body=bytes(body))
+    err = load()
+    assert isinstance(err, CorruptCheckpointError) and data_keys[0] in str(err) and "checksum" in str(err)
+
+    client.put_object(Bucket=s3_bucket, Key=data_keys[0], Body=original[: len(original) // 3])
+    err = load()
+    assert isinstance(err, CorruptCheckpointError) and data_keys[0] in str(err)
+
+    client.delete_object(Bucket=s3_bucket, Key=data_keys[0])
+    err = load()
+    assert isinstance(err, CorruptCheckpointError) and data_keys[0] in str(err) and "missing" in str(err)
+
+
+def test_missing_bucket_and_checkpoint_are_clear_errors(s3_server: str, staging: Path) -> None:
+    volume = s3_volume(s3_server, "no-such-bucket-here", "x")
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state_dict(n=1), storage_writer=UCVolumeWriter(volume))
+    assert isinstance(cause(ei), VolumeError) and "no-such-bucket-here" in str(cause(ei))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(make_state_dict(n=1), storage_reader=UCVolumeReader(volume))
+    assert isinstance(cause(ei), VolumeError) and "bucket 'no-such-bucket-here' does not exist" in str(cause(ei))
+    with pytest.raises(VolumeError, match="no bucket"):
+        S3Volume("s3:///prefix")
+
+
+def test_flaky_store_still_saves_and_loads(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    volume = s3_volume(
+        fault_proxy.url,
+        s3_bucket,
+        "flaky",
+        max_attempts=10,
+        multipart_threshold=5 << 20,
+        part_size=5 << 20,
+        read_timeout=5,
+    )
+    sd = {**make_state_dict(6), "big": torch.randn(3 << 20)}
+    fault_proxy.throttle_rate, fault_proxy.error_rate, fault_proxy.cut_rate = 0.15, 0.1, 0.1
+    out = save_and_load(volume, sd, range_chunk_bytes=1 << 20)
+    assert_state_dict_equal(sd, out)
+    assert {"throttle", "error", "cut"} <= set(fault_proxy.injected), fault_proxy.injected
+    assert not s3_client(s3_server).list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+
+
+def test_failing_store_gives_a_clear_error_and_publishes_nothing(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    volume = s3_volume(
+        fault_proxy.url, s3_bucket, "dead", max_attempts=2, multipart_threshold=5 << 20, part_size=5 << 20
+    )
+    good = make_state_dict(7, n=1)
+    dcp.save(good, storage_writer=UCVolumeWriter(volume))  # a previous good checkpoint
+    # Every part upload fails from now on; the rest of S3 works, so s3transfer can abort.
+    fault_proxy.match = lambda method, path: method == "PUT" and ("partNumber=" in path or ".distcp" in path)
+    fault_proxy.fail_all = True
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save({"big": torch.randn(3 << 20)}, storage_writer=UCVolumeWriter(volume))
+    err = cause(ei)
+    assert isinstance(err, TransferError) and "s3://" in str(err) and "dead/" in str(err)
+    client = s3_client(s3_server)
+    assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")  # aborted
+    fault_proxy.fail_all = False
+    out = empty_like_state_dict(good)
+    dcp.load(out, storage_reader=UCVolumeReader(volume))  # still the previous checkpoint
+    assert_state_dict_equal(good, out)
+    assert staging_files(staging) == []
+
+
+def test_unreachable_store_no_metadata(s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy) -> None:
+    volume = s3_volume(fault_proxy.url, s3_bucket, "down", max_attempts=2)
+    fault_proxy.fail_all = True
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state_dict(8, n=1), storage_writer=UCVolumeWriter(volume))
+    assert isinstance(cause(ei), (VolumeError, TransferError)) and s3_bucket in str(cause(ei))
+    assert not keys(s3_server, s3_bucket)
+    assert fault_proxy.requests >= 2
+
+
+def test_pickling_s3_volume(s3_server: str, s3_bucket: str) -> None:
+    volume = s3_volume(s3_server, s3_bucket, "p")
+    volume.list_files()  # builds the client
+    clone = pickle.loads(pickle.dumps(volume))
+    assert clone.url == volume.url and clone._client is None
+    with pytest.raises(VolumeError, match="client_factory"):
+        pickle.dumps(S3Volume(f"s3://{s3_bucket}/p", client=s3_client(s3_server)))
+    writer = UCVolumeWriter(volume)
+    assert pickle.loads(pickle.dumps(writer)).volume.url == volume.url
+
+
+def test_abort_incomplete_uploads_only_at_this_location(s3_server: str, s3_bucket: str) -> None:
+    client = s3_client(s3_server)
+    client.create_multipart_upload(Bucket=s3_bucket, Key="loc/__0_dead_0.distcp")
+    client.create_multipart_upload(Bucket=s3_bucket, Key="loc/sub/__0_other_0.distcp")
+    assert s3_volume(s3_server, s3_bucket, "loc").abort_incomplete_uploads() == 1
+    left = [u["Key"] for u in client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
+    assert left == ["loc/sub/__0_other_0.distcp"]
+
+
+# ---- fsspec --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_fsspec_round_trip_and_overwrite_false(kind: str, tmp_path: Path, staging: Path) -> None:
+    url = f"memory://uc-{tmp_path.name}/ck 1" if kind == "memory" else f"file://{tmp_path}/fs ck"
+    volume = FsspecVolume(url)
+    sd = make_state_dict(9)
+    out = save_and_load(volume, sd)
+    assert_state_dict_equal(sd, out)
+    out2 = empty_like_state_dict(sd)
+    dcp.load(out2, storage_reader=UCVolumeReader(volume, prefetch_files=True))
+    assert_state_dict_equal(sd, out2)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state_dict(10), storage_writer=UCVolumeWriter(volume, overwrite=False))
+    assert isinstance(cause(ei), CheckpointExistsError)
+    with pytest.raises(CheckpointExistsError):
+        volume.publish_bytes(".metadata", b"x", overwrite=False)
+    assert staging_files(staging) == []
+
+
+def test_fsspec_corrupt_file_is_named(tmp_path: Path, staging: Path) -> None:
+    volume = FsspecVolume(f"memory://uc-corrupt-{tmp_path.name}")
+    sd = make_state_dict(11)
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
+    name = sorted(n for n in volume.list_files() if n.endswith(".distcp"))[0]
+    data = bytearray(volume.read_bytes(name) or b"")
+    data[100] ^= 0x10
+    volume.fs.pipe_file(volume._path(name), bytes(data))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(volume))
+    assert isinstance(cause(ei), CorruptCheckpointError) and name in str(cause(ei))
+
+
+def test_unknown_scheme_is_a_volume_error() -> None:
+    with pytest.raises(VolumeError, match="nosuchproto"):
+        open_volume("nosuchproto://x/y")
+
+
+def _data_requests(method: str, path: str) -> bool:
+    return ".distcp" in path and method in ("PUT", "POST", "GET")
+
+
+def test_slow_store_read_timeouts_are_retried(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    # A store that sometimes answers nothing for longer than the client waits: each such request
+    # times out and is retried; the checkpoint saves and loads intact.
+    volume = s3_volume(fault_proxy.url, s3_bucket, "slow", max_attempts=10, read_timeout=1)
+    sd = make_state_dict(11)
+    seen = {"PUT": 0, "GET": 0}
+
+    def first_uploads_and_downloads(method: str, path: str) -> bool:
+        # The first two data-file PUTs and GETs hang; the retries and everything else go through.
+        if ".distcp" not in path or method not in seen:
+            return False
+        seen[method] += 1
+        return seen[method] <= 2
+
+    fault_proxy.stall_rate, fault_proxy.stall_s = 1.0, 4.0
+    fault_proxy.match = first_uploads_and_downloads
+    out = save_and_load(volume, sd)
+    assert_state_dict_equal(sd, out)
+    assert fault_proxy.injected["stall"] == 4, fault_proxy.injected
+
+
+def test_hung_store_fails_clearly_and_keeps_the_previous_checkpoint(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    volume = s3_volume(fault_proxy.url, s3_bucket, "hung", max_attempts=2, read_timeout=1)
+    good = make_state_dict(12, n=1)
+    dcp.save(good, storage_writer=UCVolumeWriter(volume))
+    fault_proxy.match = _data_requests
+    # Every data upload hangs. A client that waited the stall out would see its request relayed and
+    # the save succeed, so the error below (a read timeout) proves it gave up on its own.
+    fault_proxy.stall_rate, fault_proxy.stall_s = 1.0, 120.0
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(make_state_dict(13, n=1), storage_writer=UCVolumeWriter(volume))
+    err = cause(ei)
+    assert isinstance(err, TransferError) and "s3://" in str(err) and "hung/" in str(err), repr(err)
+    assert "timeout" in repr(err.__cause__).lower() or "timed out" in str(err).lower(), repr(err.__cause__)
+    fault_proxy.stall_rate = 0.0
+    out = empty_like_state_dict(good)
+    dcp.load(out, storage_reader=UCVolumeReader(volume))  # the previous checkpoint, intact
+    assert_state_dict_equal(good, out)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["ranges", "whole-files"])
+def test_partial_objects_on_load_are_named_never_wrong_tensors(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy, prefetch: bool
+) -> None:
+    # Every data GET returns half the body and closes: retried, then a clear error naming the file.
+    volume = s3_volume(fault_proxy.url, s3_bucket, "partial", max_attempts=2)
+    sd = make_state_dict(14, n=2)
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume))
+    fault_proxy.match = lambda method, path: method == "GET" and ".distcp" in path
+    fault_proxy.cut_rate = 1.0
+    out = empty_like_state_dict(sd)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(out, storage_reader=UCVolumeReader(volume, prefetch_files=prefetch))
+    err = cause(ei)
+    assert isinstance(err, (TransferError, CorruptCheckpointError)), repr(err)
+    assert ".distcp" in str(err) and "partial/" in str(err), str(err)
+    assert fault_proxy.injected["cut"] >= 2

@@ -1,0 +1,362 @@
+"""The save / publish / resume cycle under real conditions (issue 13):
+
+- a training loop's collectives and the manager's foreground agreement never pair with the
+  collectives of a save running in the background (2 ranks under torchrun, both manager
+  configurations, THREAD and PROCESS saves);
+- a save in flight when the script ends is finished before the interpreter shuts its thread pools
+  (writer alone and manager, THREAD and PROCESS, local and S3), and a failing one is reported;
+- a publish is confirmed by content before anything is deleted (a mount that loses a rename);
+- one writer (reader) object serving overlapping saves (loads): each keeps its own state.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.conftest import SCRIPTS, run_script, torchrun
+from tests.support.s3_fixtures import s3_client
+from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.errors import TransferError, rank_error
+from uc_checkpoint.volumes import local as local_volume
+from uc_checkpoint.volumes.local import LocalVolume
+
+# ---------------------------------------------------------------------------------------------
+# 1. collectives
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("group", "mode", "steps"), [("own", "thread", 24), ("default", "thread", 24), ("default", "process", 12)]
+)
+def test_training_collectives_never_pair_with_a_background_save(
+    tmp_path: Path, group: str, mode: str, steps: int
+) -> None:
+    # Without the manager's own groups this loop hung at step 1 (own) or 2 (default) until the
+    # torchrun timeout: every step's save is in flight while the loop issues collectives.
+    root = tmp_path / "root"
+    proc = torchrun(SCRIPTS / "manager_collectives_loop.py", str(root), group, str(steps), mode, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, out[-5000:]
+    published = sorted(p.parent.name for p in root.glob("step_*/.metadata"))
+    assert published == [f"step_{s:08d}" for s in range(1, steps + 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. interpreter exit
+
+
+def _exit_script(kind: str, mode: str, location: str, tmp_path: Path, env: dict | None = None) -> Any:
+    return run_script(
+        [sys.executable, str(SCRIPTS / "exit_with_save_in_flight.py"), kind, mode, location, str(tmp_path / "pg")],
+        timeout=240,
+        env=env,
+    )
+
+
+def _load_back(location: str) -> dict[str, torch.Tensor]:
+    target = {"w": torch.zeros(1000), "big": torch.zeros(3_000_000)}
+    dcp.load(target, storage_reader=UCVolumeReader(location), no_dist=True)
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [("writer", "thread"), ("writer", "process"), ("manager", "thread"), ("manager", "process"), ("stager", "thread")],
+)
+def test_a_save_in_flight_at_exit_is_finished(tmp_path: Path, kind: str, mode: str) -> None:
+    location = tmp_path / "vol"
+    proc = _exit_script(kind, mode, str(location), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SCRIPT END" in proc.stdout
+    ckpt = location / "step_00000005" if kind == "manager" else location
+    assert (ckpt / ".metadata").is_file(), (sorted(p.name for p in ckpt.iterdir()), proc.stderr[-3000:])
+    assert not list(ckpt.glob(".uc-save-*")), "the save marker must be gone after a publish"
+    loaded = _load_back(str(ckpt))
+    assert torch.equal(loaded["w"], torch.full((1000,), 7.0))
+    assert torch.equal(loaded["big"], torch.arange(3_000_000, dtype=torch.float32))
+    if kind == "manager":
+        assert (location / "latest").is_file()  # the housekeeping after the publish ran too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["writer", "manager"])
+def test_a_save_in_flight_at_exit_reaches_s3(tmp_path: Path, s3_server: str, s3_bucket: str, kind: str) -> None:
+    # S3 uploads go through boto3's transfer manager, itself a ThreadPoolExecutor.
+    root = f"s3://{s3_bucket}/exit/{kind}"
+    proc = _exit_script(kind, "thread", root, tmp_path, env={"AWS_ENDPOINT_URL": s3_server})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = f"{root}/step_00000005" if kind == "manager" else root
+    keys = [
+        o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=s3_bucket, Prefix="exit/").get("Contents", [])
+    ]
+    assert any(k.endswith("/.metadata") for k in keys), keys
+    old_endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = s3_server
+    try:
+        loaded = _load_back(ckpt)
+    finally:
+        if old_endpoint is None:
+            os.environ.pop("AWS_ENDPOINT_URL")
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = old_endpoint
+    assert torch.equal(loaded["big"], torch.arange(3_000_000, dtype=torch.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["writer", "manager"])
+def test_a_save_failing_at_exit_is_reported_on_stderr(tmp_path: Path, kind: str) -> None:
+    # The staging root is a file: the save fails in its background thread after the script ended.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    location = tmp_path / "vol"
+    proc = _exit_script(kind, "thread", str(location), tmp_path, env={"UC_CHECKPOINT_STAGING_DIR": str(blocker)})
+    assert "SCRIPT END" in proc.stdout
+    assert "failed" in proc.stderr and "StagingError" in proc.stderr and str(location) in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert not list(location.rglob(".metadata"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. publish confirmed by content
+
+
+@pytest.fixture
+def lossy_rename(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``os.replace`` onto a ``.metadata`` reports success and loses the file (seen on a real
+    rclone mount); returns the list of renames it dropped."""
+    real = os.replace
+    dropped: list[str] = []
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst).name == ".metadata":
+            os.unlink(src)
+            dropped.append(str(dst))
+            return
+        real(src, dst)
+
+    monkeypatch.setattr(local_volume.os, "replace", replace)
+    return dropped
+
+
+def _sd(value: float) -> dict[str, torch.Tensor]:
+    return {"a": torch.full((4096,), value), "b": torch.arange(100.0) + value}
+
+
+def _load(location: Path | str) -> dict[str, torch.Tensor]:
+    target = {"a": torch.zeros(4096), "b": torch.zeros(100)}
+    dcp.load(target, storage_reader=UCVolumeReader(location), no_dist=True)
+    return target
+
+
+def _save_error(sd: dict, writer: UCVolumeWriter) -> BaseException:
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    return rank_error(info.value)
+
+
+def test_a_resave_whose_metadata_is_lost_keeps_the_old_checkpoint(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    loc = tmp_path / "ckpt"
+    dcp.save(_sd(1.0), storage_writer=UCVolumeWriter(loc), no_dist=True)
+    old_files = sorted(p.name for p in loc.iterdir())
+    request.getfixturevalue("lossy_rename")  # from here on the mount loses renames of .metadata
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    err = _save_error(_sd(2.0), UCVolumeWriter(loc))
+    assert isinstance(err, TransferError), err
+    assert str(loc / ".metadata") in str(err) and "Nothing was deleted" in str(err), err
+    monkeypatch.undo()
+    still = sorted(p.name for p in loc.iterdir() if not p.name.startswith(".uc-save-"))
+    assert set(old_files) <= set(still), (old_files, still)  # every file of the old checkpoint is kept
+    assert torch.equal(_load(loc)["a"], torch.full((4096,), 1.0))
+
+
+def test_a_first_publish_that_is_lost_is_an_error(tmp_path: Path, lossy_rename: list[str]) -> None:
+    loc = tmp_path / "first"
+    err = _save_error(_sd(3.0), UCVolumeWriter(loc))
+    assert isinstance(err, TransferError) and str(loc / ".metadata") in str(err), err
+    assert lossy_rename == [str(loc / ".metadata")]
+    assert not (loc / ".metadata").exists()
+
+
+def test_an_fsspec_publish_that_is_lost_keeps_the_old_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
+    url = "memory://lifecycle-lost-publish/ckpt"
+    dcp.save(_sd(4.0), storage_writer=UCVolumeWriter(url), no_dist=True)
+    fs = fsspec.filesystem("memory")
+    real_pipe = type(fs).pipe_file
+
+    def lossy_pipe(self: Any, path: str, value: bytes, *args: Any, **kwargs: Any) -> None:
+        if path.endswith("/.metadata"):
+            # The store keeps the old object but answers as if the new one had landed: same size.
+            old = self.cat_file(path)
+            real_pipe(self, path, old[: len(value)].ljust(len(value), b"\0"), *args, **kwargs)
+            return
+        real_pipe(self, path, value, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "pipe_file", lossy_pipe)
+    err = _save_error(_sd(5.0), UCVolumeWriter(url))
+    assert isinstance(err, TransferError) and "the volume lost the write" in str(err), err
+    monkeypatch.undo()
+    names = fs.ls("/lifecycle-lost-publish/ckpt", detail=False)
+    assert sum(1 for n in names if n.endswith(".distcp")) >= 2  # old and new data files both kept
+    fs.rm("/lifecycle-lost-publish", recursive=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. one writer / reader object, overlapping saves / loads
+
+
+class _Rendezvous:
+    """Holds the first upload (or download) of each of two saves (loads) until both have reached it,
+    so they are certainly in flight at the same time."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
+        real = getattr(LocalVolume, method)
+
+        def held(volume: LocalVolume, *args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                first = volume.url not in self.seen
+                self.seen.add(volume.url)
+            if first:
+                self.barrier.wait()
+            return real(volume, *args, **kwargs)
+
+        monkeypatch.setattr(LocalVolume, method, held)
+
+
+def _big(value: float) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((64, 1024), value + i) for i in range(8)}
+
+
+def test_one_writer_two_overlapping_async_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _Rendezvous(monkeypatch, "upload_file")
+    writer = UCVolumeWriter(tmp_path / "p0", file_size_bytes=256 << 10)
+    a, b = tmp_path / "A", tmp_path / "B"
+    fut_a = dcp.async_save(_big(1.0), storage_writer=writer, checkpoint_id=a, no_dist=True)
+    fut_b = dcp.async_save(_big(100.0), storage_writer=writer, checkpoint_id=b, no_dist=True)
+    fut_a.result(timeout=120)
+    fut_b.result(timeout=120)
+    for loc, value in ((a, 1.0), (b, 100.0)):
+        target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
+        dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+        assert all(torch.equal(target[f"t{i}"], torch.full((64, 1024), value + i)) for i in range(8)), loc
+        assert not list(loc.glob(".uc-save-*"))
+    assert not (tmp_path / "p0").exists()  # neither save wrote to the writer's own path
+
+
+def test_overlapping_saves_of_one_writer_fail_with_their_own_location(tmp_path: Path) -> None:
+    # B's location is a file: B fails naming B; A, running at the same time, publishes.
+    writer = UCVolumeWriter(tmp_path / "p0")
+    a, b = tmp_path / "A", tmp_path / "B"
+    b.write_text("a file, not a directory")
+    fut_a = dcp.async_save(_big(1.0), storage_writer=writer, checkpoint_id=a, no_dist=True)
+    fut_b = dcp.async_save(_big(2.0), storage_writer=writer, checkpoint_id=b, no_dist=True)
+    with pytest.raises(BaseException) as info:
+        fut_b.result(timeout=120)
+    err = rank_error(info.value)
+    assert str(b) in str(err) and str(a) not in str(err), err
+    fut_a.result(timeout=120)
+    assert (a / ".metadata").is_file()
+
+
+def test_a_sync_save_beside_an_async_save_of_the_same_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _Rendezvous(monkeypatch, "upload_file")
+    writer = UCVolumeWriter(tmp_path / "p0", file_size_bytes=256 << 10)
+    fut = dcp.async_save(_big(3.0), storage_writer=writer, checkpoint_id=tmp_path / "A", no_dist=True)
+    dcp.save(_big(30.0), storage_writer=writer, checkpoint_id=tmp_path / "B", no_dist=True)
+    fut.result(timeout=120)
+    for loc, value in ((tmp_path / "A", 3.0), (tmp_path / "B", 30.0)):
+        target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
+        dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+        assert torch.equal(target["t0"], torch.full((64, 1024), value)), loc
+
+
+def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tmp_path / "A", tmp_path / "B"
+    dcp.save(_big(1.0), storage_writer=UCVolumeWriter(a, file_size_bytes=256 << 10), no_dist=True)
+    # Cut into other files than A, so that items sit at other offsets under other names.
+    dcp.save(_big(50.0), storage_writer=UCVolumeWriter(b, file_size_bytes=1 << 20), no_dist=True)
+    _Rendezvous(monkeypatch, "download_file")
+    reader = UCVolumeReader(tmp_path / "nowhere", prefetch_files=True)
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def load(loc: Path) -> None:
+        target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
+        try:
+            dcp.load(target, storage_reader=reader, checkpoint_id=loc, no_dist=True)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+        results[loc.name] = target
+
+    threads = [threading.Thread(target=load, args=(loc,)) for loc in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert torch.equal(results["A"]["t3"], torch.full((64, 1024), 4.0))
+    assert torch.equal(results["B"]["t3"], torch.full((64, 1024), 53.0))
+
+
+def test_a_writer_pickles_without_its_sessions(tmp_path: Path) -> None:
+    # DCP's PROCESS mode pickles the writer; a save of it in progress here must not travel.
+    writer = UCVolumeWriter(tmp_path / "p0")
+    dcp.save(_big(1.0), storage_writer=writer, checkpoint_id=tmp_path / "A", no_dist=True)
+    clone = pickle.loads(pickle.dumps(writer))
+    assert clone.checkpoint_id == str(tmp_path / "A")  # checkpoint_id sticks, as with DCP's writers
+    dcp.save(_big(2.0), storage_writer=clone, checkpoint_id=tmp_path / "C", no_dist=True)
+    assert (tmp_path / "C" / ".metadata").is_file()
+
+
+def test_a_save_without_checkpoint_id_stays_where_the_writer_pointed(tmp_path: Path) -> None:
+    # The second call's reset(Q) runs in its own thread and can come before the first save's thread
+    # starts: the first save must still go where the writer pointed when it was called.
+    for i in range(25):
+        writer = UCVolumeWriter(tmp_path / f"P{i}")
+        first = dcp.async_save({"w": torch.ones(16)}, storage_writer=writer, no_dist=True)
+        second = dcp.async_save(
+            {"w": torch.full((16,), 2.0)}, storage_writer=writer, checkpoint_id=tmp_path / f"Q{i}", no_dist=True
+        )
+        first.result(timeout=60)
+        second.result(timeout=60)
+        for loc, value in ((tmp_path / f"P{i}", 1.0), (tmp_path / f"Q{i}", 2.0)):
+            target = {"w": torch.zeros(16)}
+            dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+            assert torch.equal(target["w"], torch.full((16,), value)), (i, loc)
+
+
+@pytest.mark.slow
+def test_destroying_the_process_group_under_a_save_never_publishes_one_ranks_share(tmp_path: Path) -> None:
+    # Each rank saves its own key; the script destroys the group right after manager.save().
+    # Before: DCP's background save then ran "without a process group" on each rank, and rank 0
+    # published a checkpoint holding only its own share, listed as complete.
+    root = tmp_path / "root"
+    for attempt in range(3):
+        proc = torchrun(SCRIPTS / "destroy_after_save.py", str(root / str(attempt)), timeout=240)
+        out = proc.stdout + proc.stderr
+        ckpt = root / str(attempt) / "step_00000003"
+        if (ckpt / ".metadata").is_file():
+            # Published despite the race: then it must be whole.
+            target = {"r0": torch.zeros(2_000_000), "r1": torch.zeros(2_000_000)}
+            dcp.load(target, storage_reader=UCVolumeReader(ckpt), no_dist=True)
+            assert torch.equal(target["r1"], torch.arange(2_000_000, dtype=torch.float32) + 1), out[-3000:]
+        else:
+            assert "failed" in proc.stderr, out[-3000:]  # and said so, loudly

@@ -1,0 +1,203 @@
+"""The catalog of checkpoints under a root (uc_checkpoint.ops.catalog): one record per step location
+in one of four states, one ``latest()`` shared by the manager, ``ls`` and the demo, and store
+errors that stay errors."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata
+from uc_checkpoint.errors import TransferError
+from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME
+from uc_checkpoint.ops import catalog
+from uc_checkpoint.ops import catalog as checkpoints
+from uc_checkpoint.ops.catalog import CheckpointInfo, checkpoint_name, inspect_step, latest, list_steps, scan
+from uc_checkpoint.ops.lineage import abandonment_marker
+from uc_checkpoint.ops.manager import CheckpointInfo as ManagerCheckpointInfo
+from uc_checkpoint.ops.manager import CheckpointManager
+from uc_checkpoint.ops.summary import list_root
+from uc_checkpoint.volumes import FsspecVolume, LocalVolume, Volume
+
+
+def state(step: int) -> dict:
+    return {"w": torch.full((64,), float(step)), "meta": {"step": step}}
+
+
+def data_files(location: Volume) -> list[str]:
+    return sorted(n for n in location.list_files() if n.endswith(".distcp"))
+
+
+def make_root(kind: str, tmp_path: Path) -> Volume:
+    if kind == "local":
+        return LocalVolume(tmp_path / "root")
+    return FsspecVolume(f"memory://catalog-{tmp_path.name}")
+
+
+def abandon(location: Volume) -> None:
+    save_id = (manifest_of(read_metadata(location)) or {}).get("save_id")
+    location.publish_bytes(ABANDONED_NAME, abandonment_marker(save_id, 1, None), overwrite=True)
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path: Path, staging: Path) -> Volume:
+    """Steps 1 complete, 2 abandoned, 3 with a data file deleted, 4 with a garbage .metadata, 5
+    unpublished (a data file only)."""
+    volume = make_root(request.param, tmp_path)
+    manager = CheckpointManager(volume, keep_last=None, async_save=False, write_pointer=False)
+    for step in (1, 2, 3, 4):
+        manager.save(step, state(step))
+    abandon(volume.child(checkpoint_name(2)))
+    broken = volume.child(checkpoint_name(3))
+    broken.delete(data_files(broken)[0])
+    volume.child(checkpoint_name(4)).publish_bytes(METADATA_NAME, b"not a pickle", overwrite=True)
+    unpublished = volume.child(checkpoint_name(5))
+    unpublished.prepare_for_write()
+    unpublished.publish_bytes("__0_0123abcd_0.distcp", b"x" * 11, overwrite=True)
+    return volume
+
+
+def test_every_state_and_the_latest(root: Volume) -> None:
+    listed = list_steps(root)
+    assert [(i.step, i.name, i.published, i.state) for i in listed] == [
+        (1, "step_00000001", True, None),
+        (2, "step_00000002", True, None),
+        (3, "step_00000003", True, None),
+        (4, "step_00000004", True, None),
+        (5, "step_00000005", False, "incomplete"),
+    ]
+    rows = {i.step: i for i in scan(root)}
+    assert {s: r.state for s, r in rows.items()} == {
+        1: "complete",
+        2: "abandoned",
+        3: "broken",
+        4: "broken",
+        5: "incomplete",
+    }
+    assert rows[1].problem is None and rows[1].abandoned is False
+    assert rows[2].problem is not None and "abandoned by a rollback" in rows[2].problem and rows[2].abandoned
+    assert rows[3].problem is not None and "is missing" in rows[3].problem
+    assert rows[4].problem is not None and "corrupt or truncated" in rows[4].problem
+    assert rows[5].problem is None and rows[5].bytes == 11 and rows[5].files == 1
+    one = root.child(checkpoint_name(1))
+    assert rows[1].bytes == sum(s for s in one.list_files().values() if s >= 0) > 0
+    assert rows[1].files == len(data_files(one)) > 0
+    found = latest(root)
+    assert found is not None and (found.step, found.state) == (1, "complete")
+    weak = latest(root, intact=False)
+    assert weak is not None and weak.step == 4 and weak.state is None  # newest published, nothing read
+    assert checkpoints.latest_checkpoint(root) == (4, "step_00000004")
+    assert checkpoints.list_checkpoints(root) == [(i.step, i.name, i.published) for i in listed]
+
+
+def test_the_manager_and_ls_agree_with_the_catalog(root: Volume, caplog) -> None:
+    manager = CheckpointManager(root, keep_last=None, async_save=False)
+    with caplog.at_level(logging.INFO):
+        assert manager.latest() == 1
+    assert "step_00000004" in caplog.text and "step_00000003" in caplog.text
+    assert manager._abandoned == {2}
+    assert [(i.step, i.published) for i in manager.list()] == [(1, True), (2, True), (3, True), (4, True), (5, False)]
+    assert ManagerCheckpointInfo is CheckpointInfo
+    summary = list_root(root)
+    assert [(s.step, s.state) for s in summary] == [(i.step, i.state) for i in scan(root)]
+    assert [s.location for s in summary] == [root.child(i.name).url for i in list_steps(root)]
+    assert summary[4].problem is None and summary[2].problem is not None
+
+
+def test_latest_skips_newer_damage_and_rollbacks_only(tmp_path: Path, staging: Path) -> None:
+    volume = LocalVolume(tmp_path / "root")
+    manager = CheckpointManager(volume, keep_last=None, async_save=False, write_pointer=False)
+    assert latest(volume) is None and latest(volume, intact=False) is None
+    manager.save(1, state(1))
+    manager.save(2, state(2))
+    found = latest(volume)
+    assert found is not None and found.step == 2
+    abandon(volume.child(checkpoint_name(2)))
+    found = latest(volume)
+    assert found is not None and found.step == 1
+    broken = volume.child(checkpoint_name(1))
+    broken.delete(data_files(broken)[0])
+    assert latest(volume) is None
+    found = latest(volume, intact=False)
+    assert found is not None and found.step == 2
+
+
+def test_a_broken_and_abandoned_checkpoint(tmp_path: Path, staging: Path) -> None:
+    volume = LocalVolume(tmp_path / "root")
+    CheckpointManager(volume, keep_last=None, async_save=False).save(7, state(7))
+    location = volume.child(checkpoint_name(7))
+    abandon(location)
+    location.delete(data_files(location)[0])
+    info = list_steps(volume)[0]
+    # Listings show the damage and do not read the marker; latest() records the rollback.
+    listed = inspect_step(volume, info)
+    assert (listed.state, listed.abandoned) == ("broken", None)
+    assert listed.problem is not None and "is missing" in listed.problem
+    checked = inspect_step(volume, info, rollback_first=True)
+    assert (checked.state, checked.abandoned) == ("abandoned", True)
+
+
+def test_a_checkpoint_unpublished_after_the_listing(tmp_path: Path, staging: Path) -> None:
+    volume = LocalVolume(tmp_path / "root")
+    CheckpointManager(volume, keep_last=None, async_save=False).save(3, state(3))
+    info = list_steps(volume)[0]
+    volume.child(info.name).delete(METADATA_NAME)
+    checked = inspect_step(volume, info)
+    assert (checked.published, checked.state) == (False, "incomplete")
+    assert checked.problem is not None and "no longer published" in checked.problem
+    assert latest(volume, infos=[info]) is None
+
+
+def test_each_store_call_goes_through_retry(root: Volume) -> None:
+    calls: list[str] = []
+
+    def retry(what, fn):
+        calls.append(what)
+        return fn()
+
+    found = latest(root, retry=retry)
+    assert found is not None and found.step == 1
+    assert calls[0] == "list checkpoints"
+    for name in ("step_00000004", "step_00000003", "step_00000002", "step_00000001"):
+        assert f"read {name}/{METADATA_NAME}" in calls
+    assert f"read step_00000002/{ABANDONED_NAME}" in calls
+    assert "list step_00000004" not in calls  # an undecodable .metadata needs no listing
+
+
+@pytest.mark.parametrize("what", ["read_bytes", "list_files", "size"])
+def test_store_errors_are_raised_never_a_state(root: Volume, monkeypatch, what: str) -> None:
+    def fail(self, *args, **kwargs):
+        raise TransferError(f"{what} failed: 503 SlowDown")
+
+    monkeypatch.setattr(type(root), what, fail)
+    with pytest.raises(TransferError, match="SlowDown"):
+        latest(root)
+    with pytest.raises(TransferError, match="SlowDown"):
+        scan(root)
+    with pytest.raises(TransferError, match="SlowDown"):
+        list_root(root)
+
+
+def test_store_error_on_one_location_is_raised(root: Volume, monkeypatch) -> None:
+    original = type(root).read_bytes
+
+    def flaky(self, name):
+        if self.url.rstrip("/").endswith(checkpoint_name(1)) and name == METADATA_NAME:
+            raise TransferError("GET step_00000001/.metadata: connection reset")
+        return original(self, name)
+
+    monkeypatch.setattr(type(root), "read_bytes", flaky)
+    # Steps 4, 3 and 2 are judged from evidence; step 1 cannot be judged: an error, not "no checkpoint".
+    with pytest.raises(TransferError, match="connection reset"):
+        latest(root)
+    assert catalog.latest(root, intact=False) is not None
+
+
+def test_checkpoint_names() -> None:
+    assert checkpoint_name(42) == "step_00000042"
+    assert checkpoints.checkpoint_name is checkpoint_name
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        checkpoint_name(-1)

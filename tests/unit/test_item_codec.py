@@ -1,0 +1,180 @@
+"""ItemCodec: DCP's per-tensor torch.save archives, written and read through templates.
+
+The point of every test: whatever the fast path writes, stock ``torch.load`` (and so DCP's stock
+FileSystemReader) reads back bit for bit; whatever the fast path decodes is exactly what
+``torch.load`` would return; anything it does not recognise is left to torch."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.item_codec import MAX_FAST_BYTES, ItemChecksumError, ItemCodec
+from uc_checkpoint.errors import CorruptCheckpointError, rank_error
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (NaN-safe equality)."""
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).reshape(shape)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(1, 9), min_size=0, max_size=3), seed=st.integers(0, 2**16)
+)
+def test_written_items_are_torch_save_archives_and_decode_exactly(
+    dtype: torch.dtype, shape: list[int], seed: int
+) -> None:
+    codec = ItemCodec()
+    t = _random(dtype, tuple(shape), seed)
+    buf = io.BytesIO()
+    codec.write(t, buf)
+    assert codec.fast_encoded == 1
+    raw = buf.getvalue()
+
+    back = torch.load(io.BytesIO(raw), weights_only=True)  # what DCP's FileSystemReader does
+    assert back.dtype == dtype and back.shape == t.shape and _bits(back) == _bits(t)
+
+    decoded = codec.decode(memoryview(bytearray(raw)), dtype, tuple(shape))
+    assert decoded is not None and decoded.dtype == dtype and decoded.shape == t.shape and _bits(decoded) == _bits(t)
+
+    # Archives written by torch.save itself (stock DCP writers) take the fast path as well.
+    stock = io.BytesIO()
+    torch.save(t, stock)
+    decoded = codec.decode(stock.getvalue(), dtype, tuple(shape))
+    assert decoded is not None and _bits(decoded) == _bits(t)
+
+
+def test_views_are_written_as_their_values() -> None:
+    codec = ItemCodec()
+    base = torch.arange(64.0).reshape(8, 8)
+    for view in (base.t(), base[2:5], base[:, 3]):  # non-contiguous, offset into storage
+        buf = io.BytesIO()
+        codec.write(view, buf)
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), view)
+    assert codec.fast_encoded == 3
+
+
+def test_what_the_fast_path_leaves_to_torch() -> None:
+    codec = ItemCodec()
+    big = torch.randn(MAX_FAST_BYTES // 4 + 1)
+    for t in (big, torch.randn(4, dtype=torch.complex64), torch.empty(0, 3), torch.nn.Parameter(torch.ones(3))):
+        buf = io.BytesIO()
+        codec.write(t, buf)
+        back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        assert torch.equal(back, t.detach())
+    assert codec.fast_encoded == 1  # only the Parameter (written as a plain tensor)
+
+    t = torch.randn(16, 4)
+    buf = io.BytesIO()
+    codec.write(t, buf)
+    good = buf.getvalue()
+    assert codec.decode(good, torch.float32, (16, 4)) is not None
+    # Asked for another dtype or shape, given a damaged or truncated archive, or a Parameter's
+    # archive (a different data.pkl): not decoded, so torch.load decides.
+    assert codec.decode(good, torch.int32, (16, 4)) is None
+    assert codec.decode(good, torch.float32, (4, 16)) is None
+    assert codec.decode(good[:-1], torch.float32, (16, 4)) is None
+    flipped = bytearray(good)
+    start = good.index(_bits(t)[:64])
+    flipped[start + 10] ^= 0x01
+    # torch.load itself does not check a record's CRC-32; the codec does.
+    with pytest.raises(ItemChecksumError, match="crc32"):
+        codec.decode(flipped, torch.float32, (16, 4))
+    param = io.BytesIO()
+    torch.save(torch.nn.Parameter(t.clone()), param)
+    assert codec.decode(param.getvalue(), torch.float32, (16, 4)) is None
+
+
+def _many_small(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {f"w{i}": torch.randn(32, 8, generator=g) for i in range(300)}
+        | {f"b{i}": torch.randn(8, generator=g).to(torch.bfloat16) for i in range(50)}
+        | {"big": torch.randn(600, 1024, generator=g)},  # 2.3 MiB: torch.save path
+        "step": 5,
+    }
+
+
+def _zeros_like(sd: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
+
+
+@pytest.mark.parametrize("prefetch_files", [True, False])
+def test_checkpoints_of_small_tensors_round_trip_with_stock_dcp(
+    tmp_path: Path, staging: Path, prefetch_files: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    sd = _many_small(0)
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    with caplog.at_level(logging.DEBUG, logger="uc_checkpoint"):
+        dcp.save(sd, storage_writer=UCVolumeWriter(ours))
+    assert "350 of 351 tensor items serialised through templates" in caplog.text
+    dcp.save(sd, storage_writer=FileSystemWriter(stock))
+
+    out = _zeros_like(sd)
+    dcp.load(out, storage_reader=FileSystemReader(ours))  # stock DCP reads what we wrote
+    for k, v in sd["model"].items():
+        assert torch.equal(out["model"][k], v), k
+
+    for where in (ours, stock):  # we read what we wrote and what stock DCP wrote
+        out = _zeros_like(sd)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="uc_checkpoint"):
+            dcp.load(out, storage_reader=UCVolumeReader(where, prefetch_files=prefetch_files))
+        assert "350 of 351 tensor items decoded through templates" in caplog.text, where
+        assert out["step"] == 5
+        for k, v in sd["model"].items():
+            assert torch.equal(out["model"][k], v), (where, k)
+
+
+@pytest.mark.parametrize("prefetch_files", [True, False])
+def test_a_damaged_small_tensor_in_a_stock_checkpoint_is_named(
+    tmp_path: Path, staging: Path, prefetch_files: bool
+) -> None:
+    """A checkpoint from stock FileSystemWriter has no manifest, so no file checksums; a flipped
+    byte in a small tensor's data is still caught by the archive's own CRC-32 (torch.load is not)."""
+    sd = _many_small(1)
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path))
+    victim = sd["model"]["w7"]
+    data_file = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data_file.read_bytes())
+    at = raw.index(_bits(victim)[:64]) + 40
+    raw[at] ^= 0x10
+    data_file.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_zeros_like(sd), storage_reader=UCVolumeReader(tmp_path, prefetch_files=prefetch_files))
+    error = rank_error(info.value)
+    assert isinstance(error, CorruptCheckpointError), error
+    assert data_file.name in str(error) and "model.w7" in str(error) and "crc32" in str(error)

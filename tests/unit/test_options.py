@@ -1,0 +1,126 @@
+"""Typed writer/reader settings (uc_checkpoint.ops.options): checked once, when the manager is
+built, and the same defaults as the writer's and reader's constructors."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from uc_checkpoint.dcp.reader import UCVolumeReader
+from uc_checkpoint.dcp.writer import UCVolumeWriter
+from uc_checkpoint.ops.manager import CheckpointManager
+from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
+
+MANAGER_OWNED = {"self", "path", "staging_dir", "volume_options"}
+
+
+@pytest.mark.parametrize(("options", "component"), [(WriterOptions, UCVolumeWriter), (ReaderOptions, UCVolumeReader)])
+def test_fields_and_defaults_are_the_constructors(options, component) -> None:
+    params = {
+        name: p.default
+        for name, p in inspect.signature(component.__init__).parameters.items()
+        if name not in MANAGER_OWNED
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(options)}
+    assert fields == params
+    assert list(options()) == list(params)  # reads as a mapping of its fields, in order
+    assert options._RULES.keys() == fields.keys()  # every field is checked
+
+
+@pytest.mark.parametrize(
+    ("options", "given", "error", "match"),
+    [
+        (WriterOptions, {"upload_workers": 0}, ValueError, "upload_workers must be >= 1, got 0"),
+        (WriterOptions, {"thread_count": -1}, ValueError, "thread_count must be >= 1"),
+        (WriterOptions, {"file_size_bytes": 0}, ValueError, "file_size_bytes must be >= 1"),
+        (WriterOptions, {"upload_workers": True}, TypeError, "upload_workers must be int, got bool"),
+        (WriterOptions, {"upload_workers": 2.0}, TypeError, "upload_workers must be int, got float"),
+        (WriterOptions, {"file_size_bytes": "64MiB"}, TypeError, "file_size_bytes must be int or None, got str"),
+        (WriterOptions, {"sync_files": 1}, TypeError, "sync_files must be bool, got int"),
+        (
+            WriterOptions,
+            {"sync_file": False},
+            TypeError,
+            "unknown writer option 'sync_file'; the options are .*sync_files",
+        ),
+        (
+            WriterOptions,
+            {"staging_dir": "/tmp"},
+            TypeError,
+            r"'staging_dir' .* CheckpointManager\(staging_dir=\.\.\.\)",
+        ),
+        (WriterOptions, {"volume_options": {}}, TypeError, r"CheckpointManager\(volume_options=\.\.\.\)"),
+        (ReaderOptions, {"download_workers": 0}, ValueError, "download_workers must be >= 1"),
+        (ReaderOptions, {"range_gap_bytes": -1}, ValueError, "range_gap_bytes must be >= 0"),
+        (ReaderOptions, {"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes must be >= 1"),
+        (ReaderOptions, {"prefetch_files": "yes"}, TypeError, "prefetch_files must be bool or None, got str"),
+        (ReaderOptions, {"verify_checksum": False}, TypeError, "unknown reader option 'verify_checksum'"),
+        (ReaderOptions, {"upload_workers": 2}, TypeError, "unknown reader option 'upload_workers'"),
+    ],
+)
+def test_bad_options_are_named(options, given, error, match) -> None:
+    with pytest.raises(error, match=match):
+        options.coerce(given)
+    if "unknown" not in match and "CheckpointManager" not in match:
+        with pytest.raises(error, match=match):
+            options(**given)  # the dataclass itself checks, not only from_dict
+
+
+def test_good_options() -> None:
+    assert WriterOptions.coerce(None) == WriterOptions()
+    assert ReaderOptions.coerce({"range_gap_bytes": 0, "prefetch_files": False}) == ReaderOptions(
+        range_gap_bytes=0, prefetch_files=False
+    )
+    opts = WriterOptions(file_size_bytes=1 << 20)
+    assert WriterOptions.coerce(opts) is opts
+    assert opts["file_size_bytes"] == 1 << 20 and dict(opts)["upload_workers"] == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.upload_workers = 8  # type: ignore[misc]
+    with pytest.raises(TypeError, match="writer options must be a WriterOptions or a dict, got ReaderOptions"):
+        WriterOptions.coerce(ReaderOptions())  # type: ignore[arg-type]
+
+
+def test_the_manager_checks_options_when_built(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="unknown writer option 'file_size'"):
+        CheckpointManager(str(tmp_path / "run"), writer_options={"file_size": 1})
+    with pytest.raises(ValueError, match="download_workers must be >= 1"):
+        CheckpointManager(str(tmp_path / "run"), reader_options={"download_workers": 0})
+    with pytest.raises(TypeError, match="reader options must be a ReaderOptions or a dict, got list"):
+        CheckpointManager(str(tmp_path / "run"), reader_options=[("download_workers", 2)])  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("typed", [False, True])
+def test_the_manager_passes_options_on(
+    tmp_path: Path, staging: Path, monkeypatch: pytest.MonkeyPatch, typed: bool
+) -> None:
+    writer = {"file_size_bytes": 4096, "sync_files": False}
+    reader = {"prefetch_files": False, "download_workers": 2}
+    manager = CheckpointManager(
+        str(tmp_path / "run"),
+        async_save=False,
+        writer_options=WriterOptions(**writer) if typed else writer,
+        reader_options=ReaderOptions(**reader) if typed else reader,
+    )
+    seen: dict[str, dict] = {}
+    for cls, key in ((UCVolumeWriter, "writer"), (UCVolumeReader, "reader")):
+        init = cls.__init__
+
+        def spy(self, path, *, _init=init, _key=key, **kwargs):
+            seen[_key] = kwargs
+            _init(self, path, **kwargs)
+
+        monkeypatch.setattr(cls, "__init__", spy)
+    sd = {f"t{i}": torch.full((512,), float(i)) for i in range(8)}  # 16 KiB: several 4 KiB files
+    manager.save(1, sd)
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    assert manager.load(target, step=1) == 1
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    assert seen["writer"]["file_size_bytes"] == 4096 and seen["writer"]["sync_files"] is False
+    assert seen["reader"]["prefetch_files"] is False and seen["reader"]["download_workers"] == 2
+    data_files = [p for p in (tmp_path / "run" / "step_00000001").iterdir() if p.name.endswith(".distcp")]
+    assert len(data_files) > 1  # file_size_bytes reached the writer

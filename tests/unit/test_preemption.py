@@ -1,0 +1,70 @@
+"""The preemption flag (uc_checkpoint.ops.preemption) and the manager's final save, in one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from uc_checkpoint.ops.manager import CheckpointManager
+from uc_checkpoint.ops.preemption import PreemptionNotice
+
+
+def _wait_for(cond: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(cond())
+
+
+def test_notice_sets_a_flag_and_restores_handlers() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    notice = PreemptionNotice()
+    notice.install((signal.SIGUSR1,))
+    notice.install((signal.SIGUSR1,))  # twice: the first handler is still the one restored
+    try:
+        assert not notice.received
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert _wait_for(lambda: notice.received)
+        assert notice.signal == signal.SIGUSR1
+    finally:
+        notice.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_manager_preemption_requested(tmp_path: Path) -> None:
+    manager = CheckpointManager(str(tmp_path / "run"))
+    before = signal.getsignal(signal.SIGUSR2)
+    manager.enable_preemption_save((signal.SIGUSR2,))
+    try:
+        assert manager.preemption_requested() is False
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert _wait_for(manager.preemption_requested)
+    finally:
+        manager.disable_preemption_save()
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_save_final_is_synchronous_without_touching_async_save(
+    tmp_path: Path, staging: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = CheckpointManager(str(tmp_path / "run"), async_save=True)
+    calls: list[tuple[bool, bool]] = []
+    start = CheckpointManager._start_save
+
+    def spy(self: CheckpointManager, state_dict: Any, writer: Any, group: Any, asynchronous: bool) -> Any:
+        calls.append((asynchronous, self.async_save))
+        return start(self, state_dict, writer, group, asynchronous)
+
+    monkeypatch.setattr(CheckpointManager, "_start_save", spy)
+    manager.save(1, {"w": torch.ones(4)})
+    assert manager.save_final(2, {"w": torch.full((4,), 2.0)}) is True
+    assert calls == [(True, True), (False, True)]  # the final save is sync; the setting never flips
+    assert manager.async_save is True
+    assert manager.last_save is not None and manager.last_save.step == 2 and manager.last_save.ok
+    assert manager.latest() == 2

@@ -1,0 +1,252 @@
+"""The location's side of a save (uc_checkpoint.engine.publish), on a local and an in-memory volume,
+without DCP: save markers, the start-of-save check, the concurrent-save check, the atomic publish
+with its read-back, and deleting what a publish superseded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from uc_checkpoint.engine import publish
+from uc_checkpoint.engine.publish import SaveMarker
+from uc_checkpoint.errors import CheckpointExistsError, ConcurrentSaveError, LocationNotEmptyError, TransferError
+from uc_checkpoint.volumes import FsspecVolume, LocalVolume, Volume
+
+KINDS = ["local", "memory"]
+
+
+def _no_manifest(raw: bytes) -> None:
+    raise ValueError("not a .metadata")
+
+
+def _json_manifest(raw: bytes) -> dict[str, Any]:
+    return json.loads(raw)
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    root = f"/publish-{uuid.uuid4().hex[:8]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def make_volume(kind: str, tmp_path: Path, memory_root: str, fault: type | None = None) -> Volume:
+    """A volume of ``kind`` at a fresh location; ``fault``: a mixin overriding some of its methods."""
+    cls: type[Volume] = LocalVolume if kind == "local" else FsspecVolume
+    if fault is not None:
+        cls = type(f"{fault.__name__}{cls.__name__}", (fault, cls), {})
+    if kind == "local":
+        return cls(tmp_path / "ckpt")  # type: ignore[call-arg]
+    return cls(f"memory://{memory_root}/ckpt")  # type: ignore[call-arg]
+
+
+@pytest.fixture(params=KINDS)
+def volume(request: pytest.FixtureRequest, tmp_path: Path, memory_root: str) -> Volume:
+    return make_volume(request.param, tmp_path, memory_root)
+
+
+def begin(volume: Volume, marker: SaveMarker, **kwargs: Any) -> str:
+    options: dict[str, Any] = {
+        "save_id": "save-1",
+        "overwrite": True,
+        "create_parents": True,
+    }
+    options.update(kwargs)
+    return publish.begin_save(volume, marker, **options)
+
+
+# ---- markers ------------------------------------------------------------------------------------
+
+
+def test_marker_names_parse_back() -> None:
+    collective = SaveMarker(None, "0123abcd")
+    local = SaveMarker(3, "0123abcd")
+    assert collective.name() == ".uc-save-0123abcd"
+    assert local.name() == "__3.uc-save-0123abcd"
+    assert SaveMarker.parse(collective.name()) == collective
+    assert SaveMarker.parse(local.name()) == local
+    assert (collective.metadata_name(), local.metadata_name()) == (".metadata", "__3.metadata")
+    for other in (".metadata", "__0_0123abcd_0.distcp", ".uc-save-XYZ", "notes.txt"):
+        assert SaveMarker.parse(other) is None, other
+    with pytest.raises(AttributeError):
+        collective.token = "ffffffff"  # type: ignore[misc]  # frozen
+
+
+def test_begin_save_writes_the_marker_and_reports_no_published_checkpoint(volume: Volume) -> None:
+    marker = SaveMarker(None, "0123abcd")
+    assert begin(volume, marker, save_id="save-42") == ""
+    info = json.loads(volume.read_bytes(marker.name()) or b"")
+    assert info["save_id"] == "save-42" and info["pid"] == os.getpid()
+    assert abs(info["started"] - time.time()) < 60
+    assert set(volume.list_files()) == {marker.name()}
+    marker.remove(volume)
+    assert volume.list_files() == {}
+
+
+# ---- the start-of-save check -------------------------------------------------------------------
+
+
+def test_foreign_files_are_refused_and_nothing_is_written(volume: Volume) -> None:
+    volume.prepare_for_write()
+    volume.publish_bytes("notes.txt", b"mine")
+    volume.publish_bytes("__0_00000000_0.distcp", b"data")
+    with pytest.raises(LocationNotEmptyError, match=r"holds files that are not part of a checkpoint: notes\.txt$"):
+        begin(volume, SaveMarker(None, "0123abcd"))
+    assert set(volume.list_files()) == {"notes.txt", "__0_00000000_0.distcp"}  # no marker
+
+
+def test_a_published_checkpoint_is_kept_without_overwrite_and_digested_with_it(volume: Volume) -> None:
+    volume.prepare_for_write()
+    volume.publish_bytes(".metadata", b"old checkpoint")
+    with pytest.raises(CheckpointExistsError, match="exists and overwrite=False"):
+        begin(volume, SaveMarker(None, "0123abcd"), overwrite=False)
+    assert ".uc-save-0123abcd" not in volume.list_files()
+    assert begin(volume, SaveMarker(None, "0123abcd")) == hashlib.sha256(b"old checkpoint").hexdigest()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stale_uploads_are_aborted_all_or_only_old_ones(kind: str, tmp_path: Path, memory_root: str) -> None:
+    asked: list[float | None] = []
+
+    class RecordsAborts:
+        def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
+            asked.append(older_than_s)
+            return 0
+
+    volume = make_volume(kind, tmp_path, memory_root, RecordsAborts)
+    begin(volume, SaveMarker(None, "0123abcd"))
+    assert asked == [None]  # no other save here: every unfinished upload is a leftover
+    begin(volume, SaveMarker(None, "4567cdef"))
+    assert asked == [None, publish.LIVE_UPLOAD_S]  # another save's marker: its uploads may be live
+
+
+# ---- after the uploads ---------------------------------------------------------------------------
+
+
+def test_data_files_must_all_be_there_with_their_sizes(volume: Volume) -> None:
+    listing = {"__0_t_0.distcp": 10, "__1_t_0.distcp": 7}
+    publish.check_data_files(volume, listing, {"__0_t_0.distcp": 10, "__1_t_0.distcp": 7}, ["__0_t_0.distcp"])
+    with pytest.raises(TransferError, match=r"__1_t_0\.distcp has 7 bytes on the volume, expected 8"):
+        publish.check_data_files(volume, listing, {"__1_t_0.distcp": 8}, [])
+    with pytest.raises(TransferError, match=r"__2_t_0\.distcp has None bytes"):
+        publish.check_data_files(volume, listing, {"__2_t_0.distcp": 1}, [])
+    with pytest.raises(TransferError, match=r"no upload record for __1_t_0\.distcp"):
+        publish.check_data_files(volume, listing, {"__0_t_0.distcp": 10}, ["__0_t_0.distcp", "__1_t_0.distcp"])
+
+
+def _two_markers(volume: Volume) -> tuple[SaveMarker, SaveMarker]:
+    older, newer = SaveMarker(None, "ffff0000"), SaveMarker(None, "0000ffff")  # names sort the other way
+    begin(volume, older)
+    time.sleep(0.05)  # the store's clock orders them
+    begin(volume, newer)
+    if isinstance(volume, LocalVolume):  # a coarse file system clock must not make a tie
+        root = Path(volume.url)
+        os.utime(root / older.name(), (1_000_000, 1_000_000))
+        os.utime(root / newer.name(), (2_000_000, 2_000_000))
+    return older, newer
+
+
+def test_the_older_of_two_concurrent_saves_is_abandoned(volume: Volume) -> None:
+    older, newer = _two_markers(volume)
+    listing = volume.list_files()
+    publish.check_no_newer_save(volume, listing, newer)  # the newer one publishes
+    with pytest.raises(ConcurrentSaveError, match="another save started at this location") as err:
+        publish.check_no_newer_save(volume, listing, older)
+    assert newer.name() in str(err.value) and f"pid {os.getpid()}" in str(err.value)
+    assert "the newer save publishes, this one is abandoned" in str(err.value)
+
+
+def test_markers_of_other_slots_and_a_lost_own_marker(volume: Volume) -> None:
+    mine = SaveMarker(None, "0123abcd")
+    begin(volume, SaveMarker(0, "9999aaaa"))  # a rank-local save of rank 0: another slot
+    time.sleep(0.05)
+    begin(volume, mine)
+    publish.check_no_newer_save(volume, volume.list_files(), mine)
+    volume.publish_bytes(".uc-save-00000000", b"not json")  # another collective save, unreadable marker
+    mine.remove(volume)  # without our own marker the order is unknown: assume the worst
+    with pytest.raises(ConcurrentSaveError, match=r"ran \(.*\.uc-save-00000000\)"):
+        publish.check_no_newer_save(volume, volume.list_files(), mine)
+
+
+# ---- publishing -----------------------------------------------------------------------------------
+
+
+def test_publish_lands_and_a_changed_checkpoint_is_not_replaced(volume: Volume) -> None:
+    volume.prepare_for_write()
+    volume.publish_bytes(".metadata", b"v1")
+    seen = publish.digest(b"v1")
+    assert publish.read_published(volume, ".metadata", volume.list_files(), seen, _no_manifest) == b"v1"
+    assert publish.read_published(volume, ".metadata", {}, "", _no_manifest) is None  # not listed: none
+    publish.publish_metadata(volume, ".metadata", b"v2", overwrite=True, read_manifest=_no_manifest)
+    assert volume.read_bytes(".metadata") == b"v2"
+    with pytest.raises(
+        ConcurrentSaveError, match=r"another save published .* \(by a writer that did not record itself\)"
+    ):
+        publish.read_published(volume, ".metadata", volume.list_files(), seen, _no_manifest)
+    other = json.dumps({"save_id": "s-9", "saved_by": {"host": "h9", "pid": 9, "time": 0}}).encode()
+    volume.publish_bytes(".metadata", other)
+    with pytest.raises(ConcurrentSaveError, match=r"\(save s-9: host h9, pid 9, published 1970-01-01 00:00:00 UTC\)"):
+        publish.read_published(volume, ".metadata", volume.list_files(), seen, _json_manifest)
+    volume.delete(".metadata")
+    with pytest.raises(ConcurrentSaveError, match="and it has since been deleted"):
+        publish.read_published(volume, ".metadata", volume.list_files(), seen, _json_manifest)
+    volume.publish_bytes(".metadata", b"v3")
+    with pytest.raises(CheckpointExistsError):
+        publish.publish_metadata(volume, ".metadata", b"v4", overwrite=False, read_manifest=_no_manifest)
+    assert volume.read_bytes(".metadata") == b"v3"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("before", [None, b"old checkpoint"])
+def test_a_lost_publish_is_detected(kind: str, before: bytes | None, tmp_path: Path, memory_root: str) -> None:
+    class LosesMetadata:
+        """Answers as if ``.metadata`` had been written, and keeps what was there."""
+
+        def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+            if name != ".metadata":
+                super().publish_bytes(name, data, overwrite=overwrite)  # type: ignore[misc]
+
+    volume = make_volume(kind, tmp_path, memory_root, LosesMetadata)
+    volume.prepare_for_write()
+    if before is not None:
+        super(LosesMetadata, volume).publish_bytes(".metadata", before)  # type: ignore[misc]
+    with pytest.raises(TransferError, match="the volume lost the write. Nothing was deleted") as err:
+        publish.publish_metadata(volume, ".metadata", b"new checkpoint", overwrite=True, read_manifest=_no_manifest)
+    found = "gives nothing" if before is None else "gives 14 bytes of other content (by a writer that did not record"
+    assert found in str(err.value) and "was written (14 bytes)" in str(err.value)
+    assert volume.read_bytes(".metadata") == before
+
+
+def test_superseded_files_go_and_nothing_else(volume: Volume) -> None:
+    volume.prepare_for_write()
+    for name in ("__0_old_0.distcp", "__0_old_1.distcp", "__0_new_0.distcp", "__0_other_0.distcp"):
+        volume.publish_bytes(name, b"x")
+    publish.remove_superseded(volume, {"__0_old_0.distcp", "__0_old_1.distcp", "__0_gone_0.distcp"})
+    assert set(volume.list_files()) == {"__0_new_0.distcp", "__0_other_0.distcp"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deleting_is_best_effort(kind: str, tmp_path: Path, memory_root: str, caplog: pytest.LogCaptureFixture) -> None:
+    tried: list[str] = []
+
+    class RefusesDeletes:
+        def delete(self, name: str) -> None:
+            tried.append(name)
+            raise PermissionError(f"no deleting {name}")
+
+    volume = make_volume(kind, tmp_path, memory_root, RefusesDeletes)
+    publish.remove_superseded(volume, ["__0_b_0.distcp", "__0_a_0.distcp"])
+    SaveMarker(None, "0123abcd").remove(volume)
+    assert tried == ["__0_a_0.distcp", "__0_b_0.distcp", ".uc-save-0123abcd"]  # every one tried, none raised
+    assert "could not delete superseded file" in caplog.text and "could not delete the save marker" in caplog.text

@@ -1,0 +1,117 @@
+"""The CPU snapshot async_save takes (uc_checkpoint.dcp.stager and UCVolumeWriter.stage)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.stager import UnsupportedSnapshot, cpu_snapshot
+
+
+@dataclass
+class Progress:
+    seen: list[int]
+
+
+def test_snapshot_copies_each_tensor_once_and_keeps_the_structure() -> None:
+    tied = torch.randn(8, 4)
+    param = torch.nn.Parameter(torch.randn(3, 5))
+    sd = {
+        "emb": tied,
+        "head": tied,  # tied weights: one copy, referenced twice
+        "t": torch.arange(20.0).reshape(4, 5).t(),  # not contiguous
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "bf16": torch.randn(6).to(torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "param": param,
+        "nested": {"list": [torch.ones(2), 1, "x", None], "tuple": (torch.zeros(3), 2.5)},
+        "blob": io.BytesIO(b"abc"),
+        "progress": Progress([1, 2]),
+    }
+    snap = cpu_snapshot(sd)
+
+    assert snap.keys() == sd.keys()
+    assert snap["emb"] is snap["head"]
+    assert isinstance(snap["nested"]["tuple"], tuple) and isinstance(snap["nested"]["list"], list)
+    assert snap["nested"]["list"][1:] == [1, "x", None]
+    for key in ("emb", "t", "scalar", "empty", "bf16", "mask", "param"):
+        src, out = sd[key], snap[key]
+        assert type(out) is torch.Tensor and out.dtype == src.dtype and out.shape == src.shape, key
+        assert torch.equal(out, src.detach()), key
+        assert out.is_contiguous() and not out.requires_grad, key
+        assert out.numel() == 0 or out.data_ptr() != src.data_ptr(), key
+    assert snap["blob"] is not sd["blob"] and snap["blob"].getvalue() == b"abc"
+    assert snap["progress"] is not sd["progress"] and snap["progress"] == Progress([1, 2])
+
+    # Training goes on: changing the originals must not reach the snapshot.
+    expected = {k: sd[k].detach().clone() for k in ("emb", "t", "param")}
+    with torch.no_grad():
+        tied.add_(1)
+        sd["t"].mul_(-1)
+        param.zero_()
+    sd["blob"].write(b"zzz")
+    sd["progress"].seen.append(3)
+    for key, value in expected.items():
+        assert torch.equal(snap[key], value), key
+    assert snap["blob"].getvalue() == b"abc" and snap["progress"].seen == [1, 2]
+
+
+def test_snapshot_keeps_a_dtensors_layout(single_rank_group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    full = torch.randn(16, 4)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    snap = cpu_snapshot({"w": dt})["w"]
+    assert type(snap) is DTensor
+    assert snap.placements == dt.placements and snap.device_mesh == dt.device_mesh
+    assert snap.shape == dt.shape and snap.stride() == dt.stride()
+    assert snap.to_local().data_ptr() != dt.to_local().data_ptr()
+    assert torch.equal(snap.full_tensor(), full)
+
+
+def test_sharded_tensor_is_left_to_dcps_stager(single_rank_group: None, tmp_path: Path) -> None:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor, empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    st = empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 8, 4)
+    st.local_shards()[0].tensor.copy_(torch.arange(32.0).reshape(8, 4))
+    with pytest.raises(UnsupportedSnapshot, match="ShardedTensor"):
+        cpu_snapshot({"st": st})
+    with pytest.raises(UnsupportedSnapshot, match="sparse"):
+        cpu_snapshot({"s": torch.eye(3).to_sparse()})
+    staged = UCVolumeWriter(tmp_path / "ckpt").stage({"st": st, "x": torch.ones(2)})
+    assert isinstance(staged["st"], ShardedTensor)
+    assert torch.equal(staged["st"].local_shards()[0].tensor, torch.arange(32.0).reshape(8, 4))
+    assert torch.equal(staged["x"], torch.ones(2))
+
+
+def test_async_save_keeps_the_values_of_the_moment_it_returned(single_rank_group: None, tmp_path: Path) -> None:
+    """The snapshot is what gets saved: in-place updates right after async_save returns (the next
+    optimizer step) must not reach the checkpoint, for plain tensors and DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    sd = {"model": {"w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]), "b": torch.randn(32)}, "step": 7}
+    expected = {"w": sd["model"]["w"].full_tensor().clone(), "b": sd["model"]["b"].clone()}
+    fut = dcp.async_save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"))
+    with torch.no_grad():
+        sd["model"]["w"].mul_(0)
+        sd["model"]["b"].add_(100)
+    sd["step"] = 8
+    fut.result(timeout=120)
+
+    target = {"model": {"w": distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)]), "b": torch.zeros(32)}, "step": 0}
+    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
+    assert torch.equal(target["model"]["w"].full_tensor(), expected["w"])
+    assert torch.equal(target["model"]["b"], expected["b"])
+    assert target["step"] == 7

@@ -1,0 +1,114 @@
+"""Every private name of torch (and of Python) that uc_checkpoint relies on, in one place.
+
+DCP's storage API is public (``StorageWriter``, ``StorageReader``, ``Metadata``, the planners), but
+writing DCP's file format exactly as ``FileSystemWriter`` does, so that stock readers load our
+checkpoints, needs a few of ``torch.distributed.checkpoint.filesystem``'s private helpers. Private
+names change between releases without notice (s3torchconnector and others break the same way), so
+they are imported only here; each is listed with what it is for and the torch versions it was
+checked against. A new torch that moves one breaks this module's import, one place to mend, rather
+than five modules. The pattern is s3transfer's ``compat.py``.
+
+Checked against torch 2.13.0 (the pinned CPU wheel); the package allows ``torch>=2.6,<2.15``, and
+these names are the ones DCP's own ``FileSystemWriter``/``FileSystemReader`` have used since 2.4.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# DCP's file format: the per-item storage record in .metadata, the per-rank file prefix of a save
+# plan, how FileSystemWriter splits a rank's items into files, and the two
+# loaders that move tensors to the CPU ahead of serialisation.
+from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: F401 - re-exported
+from torch.distributed.checkpoint.filesystem import (  # noqa: F401 - re-exported
+    _OverlappingCpuLoader,
+    _SerialCpuLoader,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+)
+
+try:  # the version string DCP stamps into .metadata (2.5+)
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    CURRENT_DCP_VERSION = "1.0.0"  # type: ignore[misc]
+
+#: Thread-name prefix of DCP's THREAD-mode async save executor
+#: (``_async_thread_executor._ThreadBasedAsyncCheckpointExecutor``).
+DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+def dcp_async_thread_file() -> str:
+    """Source file of DCP's THREAD-mode ``save_wrapper``: a thread with a frame from it is running an
+    async save (or waiting for its stager)."""
+    from torch.distributed.checkpoint import _async_thread_executor
+
+    return _async_thread_executor.__file__
+
+
+def dcp_saver_file() -> str:
+    """Source file of DCP's ``save``: a thread with a frame from it is still saving."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    return state_dict_saver.__file__
+
+
+def cpu_loader(resolve: Callable[[Any], Any], thread_count: int, copy_ahead_bytes: int) -> Any:
+    """The loader DCP's ``_write_files_from_queue`` would choose: tensors of a synchronous save on an
+    accelerator (CUDA or a PrivateUse1 device) are copied to the CPU ahead of serialisation when one
+    thread serialises; otherwise one at a time. Mirrors torch 2.13's condition, copied because the
+    choice is made inside a private function."""
+    backend = torch._C._get_privateuse1_backend_name()
+    custom = getattr(torch, backend, None)
+    accelerator = torch.cuda.is_available() or bool(custom is not None and custom.is_available())
+    if thread_count == 1 and accelerator and copy_ahead_bytes > 0:
+        return _OverlappingCpuLoader(resolve, inflight_threshhold=copy_ahead_bytes)
+    return _SerialCpuLoader(resolve)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """A DTensor's local shard itself (``to_local()`` would go through autograd)."""
+    return t._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, template: Any) -> Any:
+    """A DTensor with ``template``'s mesh, placements and global shape around ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, template._spec, requires_grad=False)
+
+
+def register_before_thread_pools_shut(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` at interpreter exit before ``concurrent.futures`` refuses new work (Python's
+    private ``threading._register_atexit``, 3.9+; callbacks run newest first, so one registered
+    after ``concurrent.futures.thread`` was imported runs before its own). False when the
+    interpreter is already shutting down."""
+    import concurrent.futures.thread  # noqa: F401 - registers its callback first
+
+    try:
+        threading._register_atexit(callback)  # type: ignore[attr-defined]
+    except RuntimeError:
+        return False
+    return True
+
+
+__all__ = [
+    "CURRENT_DCP_VERSION",
+    "DCP_ASYNC_THREAD_PREFIX",
+    "_OverlappingCpuLoader",
+    "_SerialCpuLoader",
+    "_StorageInfo",
+    "_StoragePrefix",
+    "_split_by_size_and_type",
+    "cpu_loader",
+    "dcp_async_thread_file",
+    "dcp_saver_file",
+    "dtensor_like",
+    "dtensor_local",
+    "narrow_tensor_by_index",
+    "register_before_thread_pools_shut",
+]

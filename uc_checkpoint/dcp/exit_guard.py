@@ -1,0 +1,206 @@
+"""Checkpoint saves in flight when the interpreter exits are finished before it shuts its thread pools.
+
+At a normal exit Python first runs the callbacks registered with :mod:`threading`'s private
+``_register_atexit`` (newest first), then joins non-daemon threads, and only then runs :mod:`atexit`.
+:mod:`concurrent.futures` registers one of those callbacks: it marks every ``ThreadPoolExecutor`` as
+shut down ("cannot schedule new futures after interpreter shutdown") and joins their workers. DCP's
+async save runs in such a worker and keeps running, so a writer that does its I/O in that thread, as
+stock ``FileSystemWriter`` does, still publishes. Ours hands files to thread pools (the upload pool,
+boto3's transfer manager), which that callback would refuse, and the save would be lost without a
+word. A callback registered after ``concurrent.futures`` was imported runs before its callback and
+waits here for every save this process has in flight.
+
+The registry is per process by nature (there is one interpreter exit), which is why it lives in this
+module rather than in the writer or manager objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from uc_checkpoint.dcp import compat as dcp_compat
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait at exit for a save that was staged but whose background thread has not started
+#: yet (it normally starts within milliseconds; DCP's PROCESS mode hands it off within seconds).
+UNSTARTED_WAIT_S = 120.0
+
+
+class SaveTicket:
+    """One save in flight on this process, as the exit callback sees it.
+
+    Opened when a save starts (``stage()`` for an async save, before its thread exists), bound to
+    the thread that runs it, ended when this rank's part is over. A save whose thread dies without
+    ending its ticket (DCP failed between our hooks) counts as over.
+    """
+
+    def __init__(self, what: str, *, background: bool = False) -> None:
+        #: The save's location (path or URL), for messages.
+        self.what = what
+        #: An async save: nobody may ever look at its future, so its failure is logged when it happens.
+        self.background = background
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.opened = time.monotonic()
+        self._ended = threading.Event()
+
+    def bind(self, what: str | None = None) -> None:
+        """The calling thread runs this save."""
+        self.thread = threading.current_thread()
+        if what:
+            self.what = what
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This rank's part of the save is over (``error``: why it failed)."""
+        if error is not None and self.error is None:
+            self.error = error
+            if self.background:
+                logger.error(
+                    "checkpoint save to %s failed in the background: %s: %s", self.what, type(error).__name__, error
+                )
+        self._ended.set()
+
+    def over(self) -> bool:
+        """Whether this rank's part of the save is over: ended, or its thread has left DCP's save.
+
+        The explicit end is not enough: when another rank fails, DCP raises between our hooks and
+        none of them runs again. A thread may outlive its save (a pool worker, or the main thread
+        itself, which runs the exit callback), so what counts is whether the thread is still inside
+        DCP's ``save``."""
+        if self._ended.is_set():
+            return True
+        thread = self.thread
+        if thread is None:
+            # Staged, not yet started: DCP's THREAD executor starts its worker (named with this
+            # prefix) inside async_save, before it returns. Without one, nothing will run this save
+            # here (stage() called alone, or PROCESS mode, whose own executor thread Python joins).
+            return not any(
+                t.name.startswith(dcp_compat.DCP_ASYNC_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate()
+            )
+        if not thread.is_alive() or thread is threading.current_thread():
+            return True
+        return not _in_file(thread, dcp_compat.dcp_saver_file())
+
+    def wait(self) -> None:
+        """Block until :meth:`over`, or until an unstarted save has waited ``UNSTARTED_WAIT_S``."""
+        while not self.over():
+            if self.thread is None and time.monotonic() - self.opened > UNSTARTED_WAIT_S:
+                logger.error("checkpoint save to %s never started; not waiting for it any longer", self.what)
+                return
+            self._ended.wait(0.05)
+
+
+def _in_file(thread: threading.Thread, filename: str) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_filename == filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _dcp_async_saves() -> list[threading.Thread]:
+    """Threads running a THREAD-mode ``dcp.async_save`` now, ours or not, including one still
+    waiting for an async stager to finish its copy (no hook of ours has run in it yet)."""
+    me = threading.current_thread()
+    source = dcp_compat.dcp_async_thread_file()
+    return [t for t in threading.enumerate() if t is not me and t.is_alive() and _in_file(t, source)]
+
+
+class _ExitGuard:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tickets: list[SaveTicket] = []
+        self._futures: list[tuple[Future[Any], str]] = []
+        self._registered = False
+
+    def install(self) -> None:
+        """Register the exit callback now (the writer module does, when imported), so that it also
+        covers saves none of our hooks has seen yet (e.g. one waiting for an async stager)."""
+        with self._lock:
+            self._register()
+
+    def _register(self) -> None:
+        if self._registered:
+            return
+        self._registered = dcp_compat.register_before_thread_pools_shut(self._at_exit)
+
+    def open(self, what: str, background: bool) -> SaveTicket:
+        ticket = SaveTicket(what, background=background)
+        with self._lock:
+            self._register()
+            self._tickets = [t for t in self._tickets if not t.over()]
+            self._tickets.append(ticket)
+        return ticket
+
+    def watch(self, fut: Future[Any], what: str) -> None:
+        with self._lock:
+            self._register()
+            self._futures = [(f, w) for f, w in self._futures if not f.done()]
+            self._futures.append((fut, what))
+
+    def _at_exit(self) -> None:
+        with self._lock:
+            tickets = [t for t in self._tickets if not t.over()]
+            futures = [(f, w) for f, w in self._futures if not f.done()]
+        running = _dcp_async_saves()
+        if running and not tickets and not futures:
+            logger.warning("interpreter exiting: waiting for %d checkpoint save(s) in flight to finish", len(running))
+        # Until DCP's save threads are done, nothing may shut the thread pools their writers use.
+        while running:
+            running[0].join(0.05)
+            running = _dcp_async_saves()
+        if not tickets and not futures:
+            return
+        names = sorted({t.what for t in tickets} | {w for _f, w in futures})
+        logger.warning(
+            "interpreter exiting: waiting for %d checkpoint save(s) in flight to finish, to %s",
+            len(names),
+            ", ".join(names),
+        )
+        for ticket in tickets:
+            ticket.wait()
+        # A failed background save has logged its error already; a foreground one raised it.
+        failed: dict[str, BaseException] = {}
+        for fut, what in futures:
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - reported below; nobody else will see it
+                failed.setdefault(what, exc)
+        for what, error in failed.items():
+            logger.error(
+                "checkpoint save to %s, in flight at interpreter exit, failed: %s: %s",
+                what,
+                type(error).__name__,
+                error,
+            )
+        if not failed:
+            logger.info("checkpoint saves in flight at exit finished, to %s", ", ".join(names))
+
+
+_GUARD = _ExitGuard()
+
+
+def install() -> None:
+    """Register the exit callback (idempotent)."""
+    _GUARD.install()
+
+
+def open_ticket(what: str, *, background: bool = False) -> SaveTicket:
+    """Register a save in flight; the interpreter's exit waits until it is over. ``background``:
+    an async save, whose failure is logged (at ERROR) when it happens."""
+    return _GUARD.open(what, background)
+
+
+def watch_future(fut: Future[Any], what: str) -> None:
+    """The interpreter's exit waits for ``fut`` (a save's future) and logs its error, if any."""
+    _GUARD.watch(fut, what)
+
+
+__all__ = ["SaveTicket", "UNSTARTED_WAIT_S", "install", "open_ticket", "watch_future"]

@@ -1,0 +1,231 @@
+"""DCP's per-tensor item format (one ``torch.save`` archive per item), written and read fast.
+
+A DCP data file holds each tensor item as a complete ``torch.save`` zip archive, so stock readers
+can ``torch.load`` it. That costs ~130 us per save and ~170 us per ``torch.load`` (weights_only) on
+this machine, whatever the tensor's size: for a checkpoint of many small tensors it is most of the
+time (16,384 tensors of 16 KiB: ~2 s to serialise, ~3 s to deserialise).
+
+:class:`ItemCodec` produces and parses the same archives without going through pickle for every
+item. For each (dtype, shape) it asks ``torch.save`` once for the archive of a zero tensor (the
+*template*); an item is then the template with the tensor's bytes in the storage record and that
+record's CRC-32 rewritten in the two places a zip file keeps it. Nothing is assumed about torch's
+layout that is not checked: a template is used only after an item built from it has been loaded back
+by ``torch.load`` bit for bit; a saved item is decoded directly only when everything before its
+storage record (including the pickled tensor description, ``data.pkl``) equals the template byte for
+byte and the record's CRC-32 matches; anything else (large tensors, views with offsets, complex or
+quantized tensors, archives from other writers or torch versions) goes through ``torch.save`` /
+``torch.load`` as before. The output stays a valid ``torch.save`` archive that DCP's
+``FileSystemReader`` loads.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from uc_checkpoint.errors import ItemChecksumError  # re-exported: its home before it joined the hierarchy
+
+logger = logging.getLogger(__name__)
+
+#: Tensors up to this many bytes take the template path; above it the per-item cost of torch.save
+#: is small next to copying the data, and torch's own writer handles alignment and ZIP64.
+MAX_FAST_BYTES = 256 << 10
+#: Bytes of templates one codec keeps (one per distinct (dtype, shape)); beyond it items use torch.save.
+MAX_TEMPLATE_BYTES = 64 << 20
+
+_LOCAL_HEADER = 0x04034B50
+_CENTRAL_HEADER = 0x02014B50
+_DESCRIPTOR = 0x08074B50
+_END_OF_CENTRAL_DIR = 0x06054B50
+
+
+@dataclass(frozen=True)
+class _Template:
+    raw: bytes  # torch.save of a zero tensor of this dtype and shape
+    data_start: int  # the storage record's bytes: raw[data_start:data_end]
+    data_end: int
+    crc_offsets: tuple[int, ...]  # where the storage record's CRC-32 is kept (descriptor, central dir)
+
+
+def _storage_layout(raw: bytes, nbytes: int) -> tuple[int, int, tuple[int, ...]] | None:
+    """Locate the one storage record ("<archive>/data/0") of a single-tensor torch.save archive:
+    (data start, data end, offsets of its CRC-32 fields), or None when the archive is not laid out
+    as expected (then the template is not used)."""
+    eocd = raw.rfind(struct.pack("<I", _END_OF_CENTRAL_DIR))
+    if eocd < 0 or eocd + 22 > len(raw):
+        return None
+    n_entries, cd_size, cd_offset = struct.unpack_from("<HII", raw, eocd + 10)
+    pos, found = cd_offset, None
+    for _ in range(n_entries):
+        if pos + 46 > len(raw) or struct.unpack_from("<I", raw, pos)[0] != _CENTRAL_HEADER:
+            return None
+        flags, method = struct.unpack_from("<HH", raw, pos + 8)
+        csize, usize, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", raw, pos + 20)
+        local = struct.unpack_from("<I", raw, pos + 42)[0]
+        name = raw[pos + 46 : pos + 46 + name_len]
+        if name.endswith(b"/data/0"):
+            if found is not None or method != 0 or csize != nbytes or usize != nbytes:
+                return None
+            found = (pos + 16, flags, local)
+        elif b"/data/" in name and not name.endswith(b"/.data/serialization_id"):
+            return None  # more than one storage: not a plain tensor
+        pos += 46 + name_len + extra_len + comment_len
+    if found is None:
+        return None
+    cd_crc, flags, local = found
+    if struct.unpack_from("<I", raw, local)[0] != _LOCAL_HEADER:
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", raw, local + 26)
+    start = local + 30 + name_len + extra_len
+    end = start + nbytes
+    crcs = [cd_crc]
+    if flags & 0x8:  # a data descriptor follows the data, its signature optional
+        crcs.append(end + 4 if struct.unpack_from("<I", raw, end)[0] == _DESCRIPTOR else end)
+    else:
+        crcs.append(local + 14)
+    return start, end, tuple(crcs)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+def _fast_eligible(t: torch.Tensor) -> bool:
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_complex()
+        and not t.is_conj()
+        and not t.is_neg()
+        and 0 < t.numel() * t.element_size() <= MAX_FAST_BYTES
+    )
+
+
+class ItemCodec:
+    """Encodes tensor items as ``torch.save`` archives and decodes them, fast for small tensors.
+
+    One codec per save or load (thread-safe; the counters are approximate under threads); templates
+    are built lazily, at most :data:`MAX_TEMPLATE_BYTES` of them. Source of the idea: a zip archive's stored (uncompressed) records can be
+    patched in place when their length does not change, as long as the CRC-32 fields follow.
+    """
+
+    def __init__(self) -> None:
+        self._templates: dict[tuple[torch.dtype, tuple[int, ...]], _Template | None] = {}
+        self._lock = threading.Lock()
+        self._template_bytes = 0
+        #: Tensor items written, and how many of them through a template; items decoded fast.
+        self.encoded = 0
+        self.fast_encoded = 0
+        self.fast_decoded = 0
+
+    # ---- templates --------------------------------------------------------------------------
+    def _template(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | None:
+        key = (dtype, shape)
+        template = self._templates.get(key, False)
+        if template is not False:
+            return template  # type: ignore[return-value]
+        with self._lock:
+            if key in self._templates:
+                return self._templates[key]
+            if self._template_bytes + math.prod(shape) * dtype.itemsize > MAX_TEMPLATE_BYTES:
+                return None
+            built = self._build(dtype, shape)
+            self._templates[key] = built
+            self._template_bytes += len(built.raw) if built is not None else 0
+            return built
+
+    def _build(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | None:
+        zero = torch.zeros(shape, dtype=dtype)
+        buf = io.BytesIO()
+        torch.save(zero, buf)
+        raw = buf.getvalue()
+        layout = _storage_layout(raw, zero.numel() * zero.element_size())
+        if layout is None:
+            logger.debug("no fast item template for %s %s: unexpected archive layout", dtype, shape)
+            return None
+        template = _Template(raw, *layout)
+        # Trust the template only once torch.load reads back, bit for bit, an item built from it.
+        nbytes = zero.numel() * zero.element_size()
+        # Bytes that differ from their neighbours (0/1 for bool, whose other byte values are not
+        # booleans), built in uint8 so a probe costs no more memory than the tensor.
+        period = 2 if dtype == torch.bool else 251
+        probe = torch.arange(period, dtype=torch.uint8).repeat(-(-nbytes // period))[:nbytes]
+        sample = probe.view(dtype).reshape(shape)
+        try:
+            back = torch.load(io.BytesIO(self._fill(template, sample)), map_location="cpu", weights_only=True)
+            ok = (
+                type(back) is torch.Tensor
+                and back.dtype == dtype
+                and tuple(back.shape) == shape
+                and bytes(_raw_bytes(back.contiguous())) == bytes(_raw_bytes(sample))
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this template
+            logger.debug("no fast item template for %s %s: %s", dtype, shape, exc)
+            return None
+        return template if ok else None
+
+    @staticmethod
+    def _fill(template: _Template, t: torch.Tensor) -> bytearray:
+        out = bytearray(template.raw)
+        data = _raw_bytes(t)
+        out[template.data_start : template.data_end] = data
+        crc = zlib.crc32(data)
+        for offset in template.crc_offsets:
+            struct.pack_into("<I", out, offset, crc)
+        return out
+
+    # ---- encoding ---------------------------------------------------------------------------
+    def write(self, t: torch.Tensor, stream: Any) -> None:
+        """Write ``t`` to ``stream`` as one ``torch.save`` archive (what DCP's writer stores per
+        tensor item). ``t`` must be on the CPU."""
+        self.encoded += 1
+        if _fast_eligible(t):
+            plain = t.detach().contiguous()  # a view's values; its storage offset does not matter
+            template = self._template(plain.dtype, tuple(plain.shape))
+            if template is not None:
+                stream.write(self._fill(template, plain))
+                self.fast_encoded += 1
+                return
+        torch.save(t, stream)
+
+    # ---- decoding ---------------------------------------------------------------------------
+    def decode(self, data: memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The tensor in one item archive ``data`` that should hold a ``dtype`` tensor of ``shape``
+        (the chunk's saved shape), as a new tensor that does not share ``data``'s memory; None when
+        the archive is not one the fast path reads (then ``torch.load`` it).
+
+        Raises:
+            ItemChecksumError: the archive matches the template but its tensor bytes fail the CRC-32
+                the archive records for them.
+        """
+        view = memoryview(data).cast("B")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if 0 < nbytes <= MAX_FAST_BYTES and not dtype.is_complex:
+            template = self._template(dtype, shape)
+            if (
+                template is not None
+                and len(view) == len(template.raw)
+                and view[: template.data_start] == template.raw[: template.data_start]
+            ):
+                recorded = struct.unpack_from("<I", view, template.crc_offsets[0])[0]
+                if recorded == 0:  # written with torch's crc32 computation switched off: let torch read it
+                    return None
+                actual = zlib.crc32(view[template.data_start : template.data_end])
+                if recorded != actual:
+                    raise ItemChecksumError(f"tensor bytes fail their crc32: {actual:08x}, recorded {recorded:08x}")
+                out = torch.empty(shape, dtype=dtype)  # aligned, and independent of the read buffer
+                _raw_bytes(out)[:] = view[template.data_start : template.data_end]
+                self.fast_decoded += 1
+                return out
+        return None

@@ -1,0 +1,405 @@
+"""``UCVolumeWriter``: a DCP storage writer that stages files locally and uploads them in parallel.
+
+Where a byte goes, from ``dcp.async_save`` to the volume:
+
+1. ``stage()``: the state dict is copied to CPU memory, every tensor once
+   (:func:`~uc_checkpoint.dcp.stager.cpu_snapshot`); this is the only time training is blocked.
+2. ``write_data`` (every rank, in DCP's background thread or process): the rank's items are
+   serialised in DCP's file format (one ``torch.save`` archive per tensor, small ones through
+   :class:`~uc_checkpoint.dcp.item_codec.ItemCodec`) into a few data files in a per-rank staging
+   directory (:mod:`uc_checkpoint.dcp.serialize`). As each file is closed, it is handed to the
+   rank's :class:`~uc_checkpoint.engine.upload.UploadSession`, so uploads overlap serialising the
+   next file. ``write_data`` returns once every file of the rank is on the volume with its size
+   checked.
+3. ``finish`` (coordinator, called by DCP only after every rank's ``write_data`` succeeded): checks
+   that every data file of every rank is on the volume with the right size, then publishes
+   ``.metadata`` (with the file manifest inside) in one atomic write. Nothing else is ever written
+   after it, except deleting data files of older saves at the same location that the new
+   ``.metadata`` no longer references (:mod:`uc_checkpoint.engine.publish`).
+
+If any rank fails, DCP never calls ``finish``: no ``.metadata`` is published, and a previous
+checkpoint at the location stays loadable (new data files carry a per-save token in their names).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from uc_checkpoint.dcp import exit_guard, metadata_io
+from uc_checkpoint.dcp.serialize import (
+    AUTO_FILES_PER_RANK,
+    MAX_AUTO_FILE_SIZE,
+    MIN_AUTO_FILE_SIZE,
+    FileJob,
+    attach_records,
+    auto_file_size,
+    complete_metadata,
+    file_queue,
+    split_results,
+    with_file_prefix,
+    write_files,
+)
+from uc_checkpoint.dcp.sessions import Session, SessionOwner
+from uc_checkpoint.dcp.stager import UnsupportedSnapshot, cpu_snapshot
+from uc_checkpoint.engine import publish
+from uc_checkpoint.engine.publish import SaveMarker
+from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir, staging_dir_for
+from uc_checkpoint.engine.upload import UploadSession
+from uc_checkpoint.errors import StagingError, UCCheckpointError
+from uc_checkpoint.format import layout
+from uc_checkpoint.observability import TransferRecord
+from uc_checkpoint.volumes import Volume
+
+logger = logging.getLogger(__name__)
+
+exit_guard.install()  # a save in flight when the script ends is finished first
+
+# Re-exported: they lived here before the serialiser had its own module.
+__all__ = ["AUTO_FILES_PER_RANK", "MAX_AUTO_FILE_SIZE", "MIN_AUTO_FILE_SIZE", "UCVolumeWriter", "auto_file_size"]
+
+
+def _new_token() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@dataclass
+class _SaveSession(Session):
+    """One save on one rank (see :mod:`uc_checkpoint.dcp.sessions`).
+
+    Attributes:
+        token: random part of this save's data-file and marker names, so a save never reuses the
+            names of a published checkpoint's files, even when one writer object saves twice.
+        save_id: recorded in the manifest and ``StorageMeta``.
+        published_digest: sha256 of the ``.metadata`` published at the location when the save
+            started (``""`` for none; None until checked): a change by ``finish`` means another save
+            published meanwhile.
+        staging: this rank's staging directory while ``write_data`` runs.
+        ticket: keeps the interpreter's exit waiting while the save is in flight.
+    """
+
+    token: str = field(default_factory=_new_token)
+    save_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    is_coordinator: bool = False
+    published_digest: str | None = None
+    staging: Path | None = None
+    ticket: exit_guard.SaveTicket | None = None
+
+    def marker(self) -> SaveMarker:
+        """This save's marker; its rank is set for a rank-local save (DCP without collectives)."""
+        return SaveMarker(None if self.use_collectives else (self.rank or 0), self.token)
+
+    def forget_staging(self) -> None:
+        self.staging = None
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This rank's part of the save is over: the interpreter's exit need not wait for it."""
+        if self.ticket is not None:
+            self.ticket.end(error)
+
+    @contextmanager
+    def ending_on_error(self) -> Iterator[None]:
+        """End the save with the error the block raises (which goes on)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.end(exc)
+            raise
+
+
+class UCVolumeWriter(SessionOwner, FileSystemWriter):
+    """DCP storage writer for a volume: a local or FUSE path, ``s3://bucket/prefix`` or an fsspec URL.
+
+    Use exactly like DCP's writers::
+
+        dcp.async_save(state_dict, storage_writer=UCVolumeWriter("/mnt/vol/ckpt/step_100"))
+        dcp.save(state_dict, storage_writer=UCVolumeWriter(path))
+
+    Args:
+        path: the checkpoint's location on the volume (a directory path or URL, or a
+            :class:`~uc_checkpoint.volumes.Volume`). ``checkpoint_id=`` passed to ``dcp.save``
+            replaces it.
+        staging_dir: local directory for serialised files before upload. Default:
+            ``$UC_CHECKPOINT_STAGING_DIR`` or the system temp dir. Needs free space for the rank's
+            share of the checkpoint at most (files are deleted as soon as they are uploaded).
+        upload_workers: files uploaded at once per rank.
+        thread_count: DCP serialisation threads per rank.
+        file_size_bytes: target size of one data file in bytes; smaller files start uploading
+            sooner but cost more requests. None (default): :func:`auto_file_size` of the rank's share
+            (about 16 files, 16-256 MiB each).
+        overwrite: allow replacing a checkpoint already published at ``path``. The old checkpoint
+            stays loadable until the new ``.metadata`` replaces it.
+        create_parents: create missing parent directories of a local ``path``.
+        sync_files: fsync data files and ``.metadata`` on the volume before publishing.
+        volume_options: options for the volume of a path or URL, e.g. ``{"endpoint_url": ...,
+            "checksums": False}`` for S3 (see :func:`uc_checkpoint.volumes.open_volume`).
+
+    Raises (inside DCP's ``CheckpointException``):
+        VolumeError: the location is a file, not writable, or its parent is missing (local and
+            fsspec volumes); the bucket does not exist or cannot be reached (S3, where a location
+            is a key prefix and an object of the same name does not block it).
+        LocationNotEmptyError: the location holds files that are not part of a checkpoint.
+        CheckpointExistsError: ``overwrite=False`` and a checkpoint is published there.
+        ConcurrentSaveError: another save at the same location started after this one, or published
+            while this one ran (this one publishes nothing; see :mod:`uc_checkpoint.format.layout`).
+        StagingError: the staging directory cannot be created, is full, or was deleted mid-save.
+        TransferError: an upload failed or landed with the wrong size or checksum, or the
+            ``.metadata`` read back after publishing is not this save's (a mount that reports a
+            rename or write as done and loses it): nothing is deleted then.
+
+    One writer object may serve several saves at once (overlapping ``dcp.async_save`` calls, each
+    with its own ``checkpoint_id``): each save's state is its own (:mod:`uc_checkpoint.dcp.sessions`). A
+    save still in flight when the interpreter exits is finished first (:mod:`uc_checkpoint.dcp.exit_guard`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Volume,
+        *,
+        staging_dir: str | os.PathLike[str] | None = None,
+        upload_workers: int = 4,
+        thread_count: int = 1,
+        file_size_bytes: int | None = None,
+        overwrite: bool = True,
+        create_parents: bool = True,
+        sync_files: bool = True,
+        volume_options: dict[str, Any] | None = None,
+    ) -> None:
+        _check_arguments(path, upload_workers, thread_count, file_size_bytes)
+        self._init_sessions(path, volume_options)
+        # Async saves staged but not yet set up: their exit ticket, where the caller's writer pointed
+        # then (another save's reset may move it before this one's thread starts), and the world
+        # size it was staged in (None without a process group).
+        self._pending: deque[tuple[exit_guard.SaveTicket, str | Volume, int | None]] = deque()
+        # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
+        super().__init__(
+            path=".", single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=overwrite
+        )
+        self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
+        self.upload_workers = upload_workers
+        self.file_size_bytes = file_size_bytes
+        self.create_parents = create_parents
+        self.sync_volume = sync_files
+        #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last save (None before
+        #: one succeeded; in DCP's PROCESS mode it stays in the background process).
+        self.last_record: TransferRecord | None = None
+
+    session_type = _SaveSession
+
+    @property
+    def _save(self) -> _SaveSession:
+        session = self._session
+        assert isinstance(session, _SaveSession)
+        return session
+
+    # FileSystemWriter keeps these on the object; here they belong to the save (sessions.py).
+    @property
+    def save_id(self) -> str:
+        return self._save.save_id
+
+    @save_id.setter
+    def save_id(self, value: str) -> None:
+        self._save.save_id = value
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self._save.is_coordinator
+
+    @property  # type: ignore[override]
+    def path(self) -> Path | None:
+        """This save's staging directory, where DCP's serialiser writes (None outside write_data)."""
+        return self._save.staging
+
+    @path.setter
+    def path(self, value: Any) -> None:
+        pass  # FileSystemWriter's own path is never used: every byte goes through staging
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's PROCESS mode pickles the writer for its background process: a save staged here
+        # continues there, where the exit guard has nothing to wait for.
+        state = super().__getstate__()
+        if self._pending:
+            self._pending.popleft()[0].end()
+        state["_pending"] = deque()
+        return state
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._reset_location(checkpoint_id)
+
+    # ---- staging (the only part of async_save that blocks training) --------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` to CPU memory for ``dcp.async_save``: each tensor once (DCP's own
+        stager copies a DTensor's shard twice); falls back to DCP's stager for a ``ShardedTensor`` or
+        another tensor subclass (other than DTensor and Parameter)."""
+        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
+        try:
+            staged = cpu_snapshot(state_dict)
+        except UnsupportedSnapshot as exc:
+            logger.debug("staging with DCP's stager: %s", exc)
+            staged = super().stage(state_dict)
+        # The save's thread does not exist yet: an exit right after async_save must still wait.
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        self._pending.append((exit_guard.open_ticket(str(self._location), background=True), self._location, world))
+        return staged
+
+    # ---- planning -----------------------------------------------------------------------------
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        try:
+            ticket, location, world = self._pending.popleft()
+        except IndexError:  # a synchronous save (or PROCESS mode's background process)
+            ticket, location, world = exit_guard.open_ticket(str(self._location)), None, None
+        save = self._begin_session(location)
+        assert isinstance(save, _SaveSession)
+        save.ticket = ticket
+        ticket.bind(save.volume.url)
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        save.is_coordinator = is_coordinator
+        error = _orphaned_save(save.volume.url, world)
+        if error is not None:
+            ticket.end(error)
+            raise error
+
+    def _staging_path(self) -> Path:
+        return staging_dir_for(self.staging_dir, "save", self.checkpoint_id, self._save.token, self._rank())
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        save = self._save
+        with save.ending_on_error():
+            # Fail in the planning step, before anything is written anywhere: probe that staging can
+            # be created (write_data creates it again), so a failed plan leaves no directory behind.
+            remove_staging_dir(create_staging_dir(self._staging_path()))
+            if self.is_coordinator or not self.use_collectives:
+                save.published_digest = publish.begin_save(
+                    self.volume,
+                    save.marker(),
+                    save.save_id,
+                    overwrite=self.overwrite,
+                    create_parents=self.create_parents,
+                )
+        return plan if self.use_collectives else with_file_prefix(plan, self._rank(), save.token)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = self._save.token
+        return [p if p.storage_data is not None else with_file_prefix(p, i, token) for i, p in enumerate(plans)]
+
+    # ---- writing ------------------------------------------------------------------------------
+    def _file_queue(self, plan: SavePlan, staging: Path) -> queue.Queue[FileJob]:
+        return file_queue(plan, staging, file_size_bytes=self.file_size_bytes, threads=self.thread_count)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with self._save.ending_on_error():
+            fut = self._write_rank_data(plan, planner)
+        if self.use_collectives and not self.is_coordinator:
+            self._save.end()  # what is left on this rank is DCP's collectives, which need no pools
+        return fut
+
+    def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        save, volume = self._save, self.volume
+        uploads = UploadSession(
+            volume, self._staging_path(), workers=self.upload_workers, sync=self.sync_volume, rank=self._rank()
+        )
+        save.staging = uploads.staging
+        uploads.add_done_callback(save.forget_staging)
+        with uploads:  # on every way out the pool ends, the volume is closed and staging is removed
+            jobs, copy_ahead = self._file_queue(plan, uploads.staging), self.per_thread_copy_ahead
+            results = write_files(
+                jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=uploads.submit
+            )
+            records, record = uploads.finish()
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(attach_records(results, records, volume.describe))
+        self.last_record = record
+        logger.info("%s", record.describe())
+        return fut
+
+    # ---- publishing ---------------------------------------------------------------------------
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with self._save.ending_on_error():
+            self._finish(metadata, results)
+        self._save.end()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        volume, marker = self.volume, self._save.marker()
+        storage_md, records = split_results(results)
+        listing = volume.list_files()
+        referenced = {info.relative_path for info in storage_md.values()}
+        publish.check_data_files(volume, listing, {name: r.size for name, r in records.items()}, referenced)
+        try:
+            publish.check_no_newer_save(volume, listing, marker)
+            complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
+            meta_name = marker.metadata_name()
+            read_manifest = _manifest_reader(volume.describe(meta_name))
+            current = publish.read_published(volume, meta_name, listing, self._save.published_digest, read_manifest)
+            superseded = _files_of_published(volume, meta_name, current)
+            blob = metadata_io.dump_metadata(metadata)
+            publish.publish_metadata(volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest)
+            logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
+            # A rollback's abandonment marker annotated the checkpoint just replaced (uc_checkpoint.ops.lineage).
+            stale = {layout.ABANDONED_NAME} if marker.rank is None and layout.ABANDONED_NAME in listing else set()
+            publish.remove_superseded(volume, (superseded - set(records)) | stale)
+        finally:
+            marker.remove(volume)
+
+
+def _check_arguments(path: object, upload_workers: object, thread_count: object, file_size_bytes: object) -> None:
+    """The writer's argument checks: TypeError for a wrong type, then ValueError for a value below 1."""
+    if not isinstance(path, (str, os.PathLike, Volume)):
+        raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
+    counts = {
+        "upload_workers": upload_workers,
+        "thread_count": thread_count,
+        "file_size_bytes": 1 if file_size_bytes is None else file_size_bytes,
+    }
+    for arg, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+    for arg, value in counts.items():
+        if value < 1:  # type: ignore[operator]  # an int, checked above
+            raise ValueError(f"{arg} must be >= 1, got {value}")
+
+
+def _orphaned_save(url: str, world: int | None) -> StagingError | None:
+    """The error for an async save staged by ``world`` ranks whose process group is gone by the
+    time it runs, else None. DCP decides "no process group, save alone" when the background save
+    starts: a group destroyed meanwhile would have each rank publish its own share as the whole
+    checkpoint."""
+    if world is not None and world > 1 and not (dist.is_available() and dist.is_initialized()):
+        return StagingError(
+            f"save to {url} abandoned: it was started by {world} ranks, but the process group "
+            "was destroyed before it ran (call CheckpointManager.wait() or the save's future .result() "
+            "before dist.destroy_process_group()); nothing is published"
+        )
+    return None
+
+
+def _manifest_reader(where: str) -> publish.ManifestReader:
+    """How :mod:`uc_checkpoint.engine.publish` reads the manifest of a ``.metadata`` at ``where``."""
+    return lambda raw: metadata_io.manifest_of(metadata_io.load_metadata(raw, where))
+
+
+def _files_of_published(volume: Volume, meta_name: str, raw: bytes | None) -> set[str]:
+    """Data files the ``.metadata`` about to be replaced (``raw``) references (empty when it
+    cannot be read: then nothing is deleted and garbage collection deals with the files later)."""
+    if raw is None:
+        return set()
+    try:
+        old = metadata_io.load_metadata(raw, volume.describe(meta_name))
+    except UCCheckpointError as exc:
+        logger.warning("not deleting the data files of the replaced checkpoint: %s", exc)
+        return set()
+    return metadata_io.data_file_names(old)

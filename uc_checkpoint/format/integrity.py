@@ -1,0 +1,194 @@
+"""Checksums of checkpoint files: whole-file CRC-32, per-block CRC-32 for ranged reads, and S3's
+checksum forms.
+
+Every data file gets, in one pass over its bytes:
+
+- the CRC-32 (zlib polynomial, the same as S3's ``CRC32`` checksum) of the whole file, which
+  verifies whole-file downloads;
+- the CRC-32 of each aligned block of :data:`VERIFY_BLOCK_SIZE` bytes (the last one shorter), which
+  verifies ranged reads: a reader widens each range to block boundaries and checks every block it
+  fetched. The same idea as HDFS's per-chunk checksums (``dfs.bytes-per-checksum``), with larger
+  blocks because reads here are whole tensors;
+- optionally the CRC-32 of each upload part, from which S3's *composite* multipart checksum
+  (CRC-32 of the concatenated big-endian part CRCs, base64, see the S3 user guide "Checking object
+  integrity") is derived to compare with what the store reports.
+
+``zlib.crc32`` releases the GIL on large buffers, so worker threads checksum in parallel.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from uc_checkpoint.errors import CorruptCheckpointError
+
+#: Bytes covered by one block checksum (4 MiB). A ranged read fetches at most one block more on
+#: each side than it needs; a 100 GB checkpoint carries 25k block checksums (100 KB in .metadata).
+VERIFY_BLOCK_SIZE = 4 << 20
+
+#: Bytes per read/write when a file is streamed through Python.
+CHUNK_SIZE = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What landed on a volume: a file's name, size in bytes and checksums.
+
+    Attributes:
+        name: the file's name at its checkpoint location.
+        size: bytes.
+        crc32: CRC-32 of the whole file as 8 lowercase hex digits.
+        block_size: bytes per block of ``block_crc32`` (0 when there are none).
+        block_crc32: CRC-32 of each ``block_size`` block, packed as big-endian uint32 (4 bytes per
+            block, ``ceil(size / block_size)`` blocks).
+    """
+
+    name: str
+    size: int
+    crc32: str
+    block_size: int = 0
+    block_crc32: bytes = b""
+
+
+class Digest:
+    """Running checksums of one byte stream: whole, per block and (optionally) per part.
+
+    Args:
+        block_size: bytes per block checksum.
+        part_size: bytes per upload part, or ``None`` to skip part checksums.
+    """
+
+    def __init__(self, block_size: int = VERIFY_BLOCK_SIZE, part_size: int | None = None) -> None:
+        self.size = 0
+        self._crc = 0
+        self._block_size = block_size
+        self._block_crc = 0
+        self._blocks: list[int] = []
+        self._part_size = part_size
+        self._part_crc = 0
+        self.part_crc32: list[int] = []
+        self._closed = False
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._crc = zlib.crc32(view, self._crc)
+        pos = 0
+        n = len(view)
+        while pos < n:
+            # Split at the next block or part boundary so each running CRC covers exactly its span.
+            step = n - pos
+            in_block = self.size % self._block_size
+            step = min(step, self._block_size - in_block)
+            if self._part_size:
+                step = min(step, self._part_size - self.size % self._part_size)
+            piece = view[pos : pos + step]
+            self._block_crc = zlib.crc32(piece, self._block_crc)
+            if self._part_size:
+                self._part_crc = zlib.crc32(piece, self._part_crc)
+            self.size += step
+            pos += step
+            if self.size % self._block_size == 0:
+                self._blocks.append(self._block_crc)
+                self._block_crc = 0
+            if self._part_size and self.size % self._part_size == 0:
+                self.part_crc32.append(self._part_crc)
+                self._part_crc = 0
+
+    def close(self) -> None:
+        """Account for the trailing partial block and part; no more updates after this."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.size % self._block_size:
+            self._blocks.append(self._block_crc)
+            self._block_crc = 0
+        if self._part_size and self.size % self._part_size:
+            self.part_crc32.append(self._part_crc)
+            self._part_crc = 0
+
+    def record(self, name: str) -> FileRecord:
+        """The :class:`FileRecord` of everything seen so far (call once, at the end)."""
+        self.close()
+        return FileRecord(
+            name=name,
+            size=self.size,
+            crc32=f"{self._crc:08x}",
+            block_size=self._block_size,
+            block_crc32=struct.pack(f">{len(self._blocks)}I", *self._blocks),
+        )
+
+
+def copy_stream(src: BinaryIO, dst: BinaryIO | None, digest: Digest, limit: int | None = None) -> int:
+    """Copy ``src`` to ``dst`` (or just read it when ``dst`` is ``None``) in :data:`CHUNK_SIZE`
+    pieces, feeding ``digest``; return the number of bytes copied. With ``limit``, stop after that
+    many bytes (a source that grew, or never ends, is not read past what was expected)."""
+    buf = bytearray(CHUNK_SIZE)
+    view = memoryview(buf)
+    total = 0
+    while True:
+        want = CHUNK_SIZE if limit is None else min(CHUNK_SIZE, limit - total)
+        n = src.readinto(view[:want]) if want > 0 else 0  # type: ignore[attr-defined]
+        if not n:
+            return total
+        chunk = view[:n]
+        digest.update(chunk)
+        if dst is not None:
+            dst.write(chunk)
+        total += n
+
+
+def digest_file(path: Path, part_size: int | None = None) -> Digest:
+    """Checksums of a local file, read once in :data:`CHUNK_SIZE` pieces."""
+    digest = Digest(part_size=part_size)
+    with open(path, "rb") as f:
+        copy_stream(f, None, digest)
+    digest.close()
+    return digest
+
+
+def crc32_base64(value: int) -> str:
+    """A CRC-32 as S3 writes it in ``x-amz-checksum-crc32``: base64 of 4 big-endian bytes."""
+    return base64.b64encode(struct.pack(">I", value)).decode("ascii")
+
+
+def composite_crc32_base64(part_crcs: Iterable[int]) -> str:
+    """S3's composite checksum of a multipart upload: CRC-32 of the parts' big-endian CRC-32s."""
+    parts = list(part_crcs)
+    return crc32_base64(zlib.crc32(struct.pack(f">{len(parts)}I", *parts)))
+
+
+def block_span(start: int, end: int, size: int, block_size: int) -> tuple[int, int]:
+    """Widen the byte range ``[start, end)`` of a ``size``-byte file to block boundaries."""
+    first = (start // block_size) * block_size
+    last = min(size, -(-end // block_size) * block_size)
+    return first, last
+
+
+def verify_blocks(data: memoryview | bytes, start: int, record: FileRecord, where: str) -> None:
+    """Check the block-aligned bytes ``data`` read at offset ``start`` of ``record``'s file.
+
+    Raises:
+        CorruptCheckpointError: a block fails its checksum (the message names ``where`` and the
+            byte range of the block).
+    """
+    bs = record.block_size
+    if not bs or not record.block_crc32:
+        return
+    if start % bs:
+        raise ValueError(f"range start {start} is not aligned to {bs}-byte blocks")
+    view = memoryview(data).cast("B")
+    expected = struct.unpack(f">{len(record.block_crc32) // 4}I", record.block_crc32)
+    for pos in range(0, len(view), bs):
+        index = (start + pos) // bs
+        chunk = view[pos : pos + bs]
+        if index >= len(expected) or zlib.crc32(chunk) != expected[index]:
+            lo = start + pos
+            raise CorruptCheckpointError(
+                f"{where} fails its checksum in bytes {lo}-{lo + len(chunk) - 1} (block {index})"
+            )

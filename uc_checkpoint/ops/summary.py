@@ -1,0 +1,180 @@
+"""What is under a checkpoint root and inside one checkpoint, without loading tensors: the
+``uc-checkpoint ls`` and ``inspect`` verbs. What a location holds and whether it is intact is
+:mod:`uc_checkpoint.ops.catalog`'s, shared with ``CheckpointManager.latest()``. Works on every
+volume kind (local/FUSE paths, ``s3://``, fsspec URLs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
+from uc_checkpoint.dcp.reader import UCVolumeReader
+from uc_checkpoint.errors import VolumeError, one_line
+from uc_checkpoint.format.manifest import entries_of
+from uc_checkpoint.ops import catalog
+from uc_checkpoint.ops.catalog import file_problems, missing_or_short
+from uc_checkpoint.volumes import LocalVolume, Volume, open_volume
+
+logger = logging.getLogger(__name__)
+
+_RANK_OF_FILE = re.compile(r"^__(\d+)_")
+
+
+@dataclass
+class CheckpointSummary:
+    """One step location under a root, as ``uc-checkpoint ls`` shows it.
+
+    Attributes:
+        step: the training step (from the ``step_NNNNNNNN`` name).
+        name: the location's name under the root.
+        location: its full path or URL.
+        state: ``"complete"`` (published, every data file there with its size), ``"incomplete"``
+            (no ``.metadata``: a save in progress or one that failed), ``"broken"`` (published but
+            a file is missing, short or the metadata unreadable; see ``problem``) or
+            ``"abandoned"`` (complete, but on a branch a rollback left: ``latest()`` skips it; see
+            :mod:`uc_checkpoint.ops.lineage`).
+        bytes: total size of the files at the location, in bytes.
+        files: number of data files at the location.
+        age_s: seconds since the newest file there was written (None when the store has no times).
+        problem: what is wrong with a broken checkpoint (or which rollback abandoned it), else None.
+    """
+
+    step: int
+    name: str
+    location: str
+    state: str
+    bytes: int
+    files: int
+    age_s: float | None
+    problem: str | None = None
+
+
+def list_root(root: str | Volume) -> list[CheckpointSummary]:
+    """Every step location under ``root``, oldest first.
+
+    A checkpoint is ``"broken"`` only on evidence of damage (a missing or short file, an
+    undecodable or unsafe ``.metadata``); a store that fails to answer is an error, never a state.
+
+    Raises:
+        VolumeError: a local root is missing or not a directory.
+        VolumeError / TransferError: the root, a location or a ``.metadata`` cannot be read (the
+            store's client has retried already).
+    """
+    volume = root if isinstance(root, Volume) else open_volume(root)
+    if isinstance(volume, LocalVolume) and not volume.root.is_dir():
+        raise VolumeError(
+            f"checkpoint root {volume.url} " + ("is not a directory" if volume.root.exists() else "does not exist")
+        )
+    return [
+        CheckpointSummary(
+            step=info.step,
+            name=info.name,
+            location=volume.child(info.name).url,
+            state=info.state or "incomplete",
+            bytes=info.bytes or 0,
+            files=info.files or 0,
+            age_s=info.age_s,
+            # An unpublished location has no problem to show, even one unpublished while listed.
+            problem=info.problem if info.state in ("broken", "abandoned") else None,
+        )
+        for info in catalog.scan(volume)
+    ]
+
+
+def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> dict[str, Any]:
+    """The contents of one published checkpoint, from its ``.metadata`` (and, with ``data_state``,
+    the data-pipeline state item, which is read from its data file).
+
+    Returns ``{"location", "save_id", "saved_by", "items": [{"key", "kind": "tensor"|"bytes",
+    "dtype", "shape", "bytes", "chunks"}], "files": {rank: [{"name", "bytes"}]}, "total_bytes",
+    "data_pipeline": {key: state dict} }`` (JSON-serialisable).
+
+    Raises:
+        CheckpointNotFoundError: nothing is published at ``location``.
+        CorruptCheckpointError: the ``.metadata`` is unreadable or unsafe.
+    """
+    volume = location if isinstance(location, Volume) else open_volume(location)
+    metadata = read_metadata(volume)
+    items = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            numel = 1
+            for d in md.size:
+                numel *= d
+            itemsize = md.properties.dtype.itemsize if hasattr(md.properties.dtype, "itemsize") else 0
+            items.append(
+                {
+                    "key": key,
+                    "kind": "tensor",
+                    "dtype": str(md.properties.dtype).replace("torch.", ""),
+                    "shape": list(md.size),
+                    "bytes": numel * itemsize,
+                    "chunks": len(md.chunks),
+                }
+            )
+        elif isinstance(md, BytesStorageMetadata):
+            items.append({"key": key, "kind": "bytes", "dtype": None, "shape": None, "bytes": None, "chunks": 1})
+    manifest = manifest_of(metadata) or {}
+    sizes = {name: entry.size for name, entry in entries_of(manifest).items()}
+    if not sizes:  # stock FileSystemWriter checkpoints carry no manifest: list the files instead
+        listing = volume.list_files()
+        sizes = {name: listing.get(name, -1) for name in referenced_files(metadata)}
+    files: dict[str, list[dict[str, Any]]] = {}
+    for name in sorted(sizes):
+        m = _RANK_OF_FILE.match(name)
+        files.setdefault(m.group(1) if m else "?", []).append({"name": name, "bytes": sizes[name]})
+    out: dict[str, Any] = {
+        "location": volume.url,
+        "save_id": manifest.get("save_id"),
+        "saved_by": manifest.get("saved_by"),
+        "items": items,
+        "files": files,
+        "total_bytes": sum(s for s in sizes.values() if s > 0),
+    }
+    if data_state:
+        out["data_pipeline"] = _data_pipeline_states(volume, items)
+    return out
+
+
+def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The data tracker's saved states (``TrackerStateful`` stores ``<key>.global_state``, a JSON
+    text), summarised; an unreadable one is reported, not raised."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = [i["key"] for i in items if i["kind"] == "bytes" and i["key"].endswith("global_state")]
+    out: dict[str, Any] = {}
+    for key in keys:
+        target: dict[str, Any] = {key: None}
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is disabled ...": a one-process read, as meant
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(target, storage_reader=UCVolumeReader(volume), no_dist=True)
+            state = json.loads(target[key])
+            remaining = sum(end - start for _shard, start, end in state.get("remaining", []))
+            out[key] = {
+                "epoch": state.get("epoch"),
+                "seed": state.get("seed"),
+                "samples_consumed_in_epoch": state.get("samples_consumed_in_epoch"),
+                "samples_remaining_in_epoch": remaining,
+                "num_shards": state.get("num_shards"),
+                "shards_with_remaining_work": len({s for s, _a, _b in state.get("remaining", [])}),
+                "fingerprint": state.get("fingerprint"),
+            }
+        except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in a BaseException; inspect reports them
+            out[key] = {"error": one_line(exc)}  # the rank's own error, e.g. the missing file
+    return out
+
+
+def summary_dict(s: CheckpointSummary) -> dict[str, Any]:
+    """A :class:`CheckpointSummary` as a JSON-serialisable dict."""
+    return asdict(s)
+
+
+__all__ = ["CheckpointSummary", "describe_checkpoint", "file_problems", "list_root", "missing_or_short", "summary_dict"]
