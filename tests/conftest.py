@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from uc_checkpoint.errors import rank_error
+
 pytest_plugins = ["tests.support.s3_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,6 +81,13 @@ def causes(exc: BaseException) -> list[BaseException]:
         if e.__cause__ is not None:
             todo.append(e.__cause__)
     return out
+
+
+def cause(exc_info: pytest.ExceptionInfo[BaseException]) -> BaseException:
+    """The single rank's own error inside DCP's ``CheckpointException`` (``errors.rank_error``),
+    checking that exactly rank 0 failed."""
+    assert list(getattr(exc_info.value, "failures", {0: None})) == [0]
+    return rank_error(exc_info.value)
 
 
 def run_script(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

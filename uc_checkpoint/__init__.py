@@ -8,7 +8,7 @@
 The names users reach for are all here: ``CheckpointManager`` (step-numbered checkpoints, resume,
 retention), ``DataTracker``/``ShardSpec`` (the data-pipeline state, pure Python),
 ``TrackedDataLoader``/``TrackedShardDataset``/``TrackerStateful`` (its DataLoader and DCP
-``Stateful`` wiring), ``collect_garbage``, ``list_root``/``describe_checkpoint``/``verify_checkpoint``
+``Stateful`` wiring), ``WriterOptions``/``ReaderOptions`` (the manager's typed settings), ``collect_garbage``, ``list_root``/``describe_checkpoint``/``verify_checkpoint``
 (what ``uc-checkpoint ls``/``inspect``/``verify`` do), the volumes, and every error class.
 
 Names that need torch are imported on first use (PEP 562 ``__getattr__``), so that
@@ -28,6 +28,7 @@ from uc_checkpoint.errors import (
     DataLoadingError,
     DatasetMismatchError,
     LocationNotEmptyError,
+    RemoteRankError,
     StagingError,
     TrackerStateError,
     TransferError,
@@ -43,32 +44,36 @@ if TYPE_CHECKING:
     from uc_checkpoint.dcp.writer import UCVolumeWriter
     from uc_checkpoint.ops.garbage import GCReport, collect_garbage
     from uc_checkpoint.ops.manager import CheckpointManager
+    from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
     from uc_checkpoint.ops.summary import describe_checkpoint, list_root
     from uc_checkpoint.ops.verify import verify_checkpoint
-    from uc_checkpoint.volumes import FsspecVolume, LocalVolume, S3Volume, Volume, open_volume
+    from uc_checkpoint.volumes import FsspecVolume, LocalVolume, MemoryVolume, S3Volume, Volume, open_volume
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "UCVolumeReader": ".reader",
-    "UCVolumeWriter": ".writer",
-    "CheckpointManager": ".manager",
+    "UCVolumeReader": ".dcp.reader",
+    "UCVolumeWriter": ".dcp.writer",
+    "CheckpointManager": ".ops.manager",
     "DataTracker": ".data.tracker",
     "ShardSpec": ".data.tracker",
     "TrackedDataLoader": ".data.loading",
     "TrackedShardDataset": ".data.loading",
     "TrackerStateful": ".data.loading",
-    "collect_garbage": ".garbage",
-    "GCReport": ".garbage",
-    "list_root": ".describe",
-    "describe_checkpoint": ".describe",
-    "verify_checkpoint": ".verify",
+    "collect_garbage": ".ops.garbage",
+    "GCReport": ".ops.garbage",
+    "list_root": ".ops.summary",
+    "describe_checkpoint": ".ops.summary",
+    "verify_checkpoint": ".ops.verify",
     "Volume": ".volumes",
     "LocalVolume": ".volumes",
     "S3Volume": ".volumes",
     "FsspecVolume": ".volumes",
     "open_volume": ".volumes",
+    "MemoryVolume": ".volumes",
+    "WriterOptions": ".ops.options",
+    "ReaderOptions": ".ops.options",
 }
 
 
@@ -103,6 +108,9 @@ __all__ = [
     "DataLoadingError",
     "DatasetMismatchError",
     "LocationNotEmptyError",
+    "MemoryVolume",
+    "ReaderOptions",
+    "RemoteRankError",
     "StagingError",
     "TrackerStateError",
     "TransferError",
@@ -112,5 +120,6 @@ __all__ = [
     "UnsafeMetadataError",
     "Volume",
     "VolumeError",
+    "WriterOptions",
     "open_volume",
 ]

@@ -178,7 +178,7 @@ def test_taking_back_a_step_after_latest_saw_it_abandoned_keeps_it(tmp_path: Pat
 def test_a_marker_that_still_applies_is_not_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # On a mount that refuses to overwrite and to delete the marker, each restart of the rolled-back
     # line must still save.
-    from .test_refusing_mounts import RefusingMount
+    from tests.unit.test_refusing_mounts import RefusingMount
 
     root = tmp_path / "root"
     run(str(root), [100, 200], keep_last=None)

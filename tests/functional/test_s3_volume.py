@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.conftest import assert_state_dict_equal, empty_like_state_dict, make_state_dict, staging_files
+from tests.conftest import assert_state_dict_equal, cause, empty_like_state_dict, make_state_dict, staging_files
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
@@ -19,12 +19,6 @@ from uc_checkpoint.volumes import FsspecVolume, S3Volume, open_volume
 
 # Every character class S3 keys allow that URLs and shells treat specially.
 AWKWARD_PREFIX = "runs/ä ö+%20=&;@$,:'!(x)*#?~^|`{}[]<>/step 0001"
-
-
-def cause(ei: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
-    """The first rank's original exception inside DCP's CheckpointException."""
-    inner = next(iter(ei.value.failures.values()))
-    return inner[0] if isinstance(inner, tuple) else inner
 
 
 def s3_volume(endpoint: str, bucket: str, prefix: str, **kw) -> S3Volume:

@@ -124,7 +124,7 @@ def test_upload_download_and_size_checks(backend: Backend, tmp_path: Path) -> No
     part = loc.download_file("f", tmp_path / "part", min_size=1000)
     assert (tmp_path / "part").read_bytes() == content[:1000] and part.size == 1000
 
-    where = loc.describe("f")
+    where = loc.url_of("f")
     with pytest.raises(CorruptCheckpointError, match="recorded 300001") as ei:
         loc.download_file("f", tmp_path / "x", expected_size=len(content) + 1)
     assert where in str(ei.value) and "has 300000 bytes" in str(ei.value)
@@ -133,7 +133,7 @@ def test_upload_download_and_size_checks(backend: Backend, tmp_path: Path) -> No
     assert where in str(ei.value)
     with pytest.raises(CorruptCheckpointError, match="is missing") as ei:
         loc.download_file("nope", tmp_path / "x", expected_size=1)
-    assert loc.describe("nope") in str(ei.value)
+    assert loc.url_of("nope") in str(ei.value)
 
 
 def test_read_range_and_its_errors(backend: Backend) -> None:
@@ -144,12 +144,12 @@ def test_read_range_and_its_errors(backend: Backend) -> None:
     assert loc.read_range("f", 0, 100) == bytes(range(100))
     with pytest.raises(CorruptCheckpointError, match="is truncated") as ei:
         loc.read_range("f", 90, 110)
-    assert loc.describe("f") in str(ei.value) and "bytes 90-109 needed, got 10" in str(ei.value)
+    assert loc.url_of("f") in str(ei.value) and "bytes 90-109 needed, got 10" in str(ei.value)
     with pytest.raises(CorruptCheckpointError, match="is truncated"):
         loc.read_range("f", 150, 160)  # wholly past the end (S3: 416)
     with pytest.raises(CorruptCheckpointError, match="is missing") as ei:
         loc.read_range("nope", 0, 1)
-    assert loc.describe("nope") in str(ei.value)
+    assert loc.url_of("nope") in str(ei.value)
 
 
 def test_publish_read_and_delete(backend: Backend) -> None:
@@ -159,7 +159,7 @@ def test_publish_read_and_delete(backend: Backend) -> None:
     loc.publish_bytes("m", b"first", overwrite=False)
     with pytest.raises(CheckpointExistsError, match="already exists and overwrite=False") as ei:
         loc.publish_bytes("m", b"second", overwrite=False)
-    assert loc.describe("m") in str(ei.value)
+    assert loc.url_of("m") in str(ei.value)
     assert loc.read_bytes("m") == b"first"  # the refused write changed nothing
     loc.publish_bytes("m", b"third!")
     assert loc.read_bytes("m") == b"third!" and loc.size("m") == 6
@@ -174,7 +174,7 @@ def test_child_locations(backend: Backend) -> None:
     root = backend.root
     child = root.child("step_1")
     assert child.url == f"{root.url}/step_1" and type(child) is type(root)
-    assert child.describe("f") == f"{root.url}/step_1/f"
+    assert child.url_of("f") == f"{root.url}/step_1/f"
     assert root.child("a//b/").url == f"{root.url}/a/b"  # one spelling per place
     child.prepare_for_write()
     child.publish_bytes("f", b"abc")

@@ -38,7 +38,7 @@ from uc_checkpoint.ops.catalog import list_checkpoints
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume
 
-SCRIPT_2RANK = Path(__file__).resolve().parents[2] / "scripts" / "crash_loop_2rank.py"
+SCRIPT_2RANK = Path(__file__).resolve().parents[1] / "scripts" / "crash_loop_2rank.py"
 
 ROUNDS = int(os.environ.get("UC_CRASH_ROUNDS", "12"))
 ROUNDS_2RANK = int(os.environ.get("UC_CRASH_ROUNDS_2RANK", "2"))

@@ -212,7 +212,11 @@ def test_two_ranks_raise_the_same_class(tmp_path: Path) -> None:
     assert rank1["local_subclass"]["corrupt"]
     # A foreign class: RemoteRankError everywhere, naming the original; rank 0 keeps it as cause.
     foreign = same("foreign", "RemoteRankError")
-    assert foreign["original_type"] == rank0["foreign"]["original_type"] == "tests.test_error_policy._ForeignError"
+    assert (
+        foreign["original_type"]
+        == rank0["foreign"]["original_type"]
+        == "tests.integration.test_error_policy._ForeignError"
+    )
     assert "rank 0 failed to run case foreign" in foreign["message"]
     assert "_ForeignError: a third-party client's error" in foreign["message"]
     assert rank0["foreign"]["cause"] == "_ForeignError: a third-party client's error"

@@ -161,7 +161,7 @@ def test_a_damaged_block_is_named(volume: Volume) -> None:
             max_inflight_bytes=1 << 30,
             workers=2,
         )
-    assert volume.describe("data.distcp") in str(ei.value)
+    assert volume.url_of("data.distcp") in str(ei.value)
     assert f"bytes {2 * BLOCK}-{3 * BLOCK - 1} (block 2)" in str(ei.value)
     assert consumed == []  # nothing unverified reached the consumer
     # Without a record the same bytes pass (the check above is what caught them).
@@ -198,7 +198,7 @@ def test_a_failing_read_is_one_transfer_error_and_the_rest_is_cancelled(volume: 
             workers=2,
         )
     err = ei.value
-    assert str(err) == f"reading {volume.describe('big.distcp')} failed: injected read failure"
+    assert str(err) == f"reading {volume.url_of('big.distcp')} failed: injected read failure"
     assert isinstance(err.__cause__, OSError) and not isinstance(err.__cause__, TransferError)
     # The failed piece and the one running beside it reached the volume; the pieces queued behind
     # them were skipped or cancelled, and the next request never started.
@@ -306,7 +306,7 @@ def test_a_whole_file_failing_its_checksum_is_named(volume: Volume, tmp_path: Pa
             verify=True,
             workers=1,
         )
-    assert volume.describe("data.distcp") in str(ei.value)
+    assert volume.url_of("data.distcp") in str(ei.value)
     assert consumed == [] and not staging.exists()
 
 
@@ -327,6 +327,6 @@ def test_a_failing_download_is_one_transfer_error(volume: Volume, tmp_path: Path
             verify=True,
             workers=1,
         )
-    assert str(ei.value) == f"reading {volume.describe('f0.distcp')} failed: injected download failure"
+    assert str(ei.value) == f"reading {volume.url_of('f0.distcp')} failed: injected download failure"
     assert isinstance(ei.value.__cause__, OSError)
     assert rec.closed == 1 and not staging.exists()

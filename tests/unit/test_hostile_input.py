@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from tests.conftest import assert_state_dict_equal, empty_like_state_dict, make_state_dict
+from tests.conftest import assert_state_dict_equal, cause, empty_like_state_dict, make_state_dict
 from uc_checkpoint import CorruptCheckpointError, UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.dcp.metadata_io import (
     ALLOWED_GLOBALS,
@@ -42,14 +42,6 @@ HINT = "allow_unsafe_metadata=True"
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def cause(exc_info: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
-    """The single rank's inner error of a CheckpointException."""
-    failures = exc_info.value.failures
-    assert list(failures) == [0]
-    inner = failures[0]
-    return inner[0] if isinstance(inner, tuple) else inner
 
 
 def load_error(dest: Path, sd: dict, **kwargs: Any) -> BaseException:

@@ -130,7 +130,7 @@ def test_a_failed_upload_ends_the_session_and_keeps_its_error(tmp_path: Path) ->
     class FailingVolume(ClosingVolume):
         def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
             if name.endswith("_1.distcp"):
-                raise TransferError(f"{self.describe(name)}: store on fire")
+                raise TransferError(f"{self.url_of(name)}: store on fire")
             return super().upload_file(local_path, name, sync=sync)
 
     volume = FailingVolume(tmp_path / "ckpt")

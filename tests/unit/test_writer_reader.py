@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.conftest import assert_state_dict_equal, empty_like_state_dict, make_state_dict, staging_files
+from tests.conftest import assert_state_dict_equal, cause, empty_like_state_dict, make_state_dict, staging_files
 from uc_checkpoint import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -30,14 +30,6 @@ from uc_checkpoint import (
 from uc_checkpoint.volumes import FileRecord, LocalVolume
 
 warnings.filterwarnings("ignore", category=UserWarning)
-
-
-def cause(exc_info: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
-    """The single rank's inner error of a CheckpointException."""
-    failures = exc_info.value.failures
-    assert list(failures) == [0]
-    inner = failures[0]
-    return inner[0] if isinstance(inner, tuple) else inner
 
 
 def data_files(path: Path) -> list[str]:
@@ -211,7 +203,7 @@ class FailingVolume(LocalVolume):
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
         self.calls += 1
         if self.calls == self.fail_on:
-            raise TransferError(f"copying {local_path} to {self.describe(name)} failed: injected EIO")
+            raise TransferError(f"copying {local_path} to {self.url_of(name)} failed: injected EIO")
         return super().upload_file(local_path, name, sync=sync)
 
 

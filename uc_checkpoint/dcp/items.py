@@ -115,7 +115,7 @@ class ItemLoader:
         if info.transform_descriptors:  # written with DCP extensions (e.g. compression)
             stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
             data = memoryview(stream.read(-1))
-        where = f"{self.volume.describe(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}"
+        where = f"{self.volume.url_of(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}"
         if req.type == LoadItemType.BYTE_IO:
             try:
                 self.planner.load_bytes(req, io.BytesIO(data))
@@ -142,7 +142,7 @@ class ItemLoader:
         target = self.planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CorruptCheckpointError(
-                f"{self.volume.describe(info.relative_path)}: item {req.storage_index.fqn} gives a tensor of shape "
+                f"{self.volume.url_of(info.relative_path)}: item {req.storage_index.fqn} gives a tensor of shape "
                 f"{tuple(tensor.size())}, the load plan expects {tuple(target.size())}"
             )
         target.copy_(tensor)

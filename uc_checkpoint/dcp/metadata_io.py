@@ -233,10 +233,10 @@ def read_metadata(volume: Volume, rank: int | None = None, *, allow_unsafe: bool
     data = volume.read_bytes(name)
     if data is None:
         raise CheckpointNotFoundError(
-            f"no checkpoint at {volume.url}: {volume.describe(name)} does not exist "
+            f"no checkpoint at {volume.url}: {volume.url_of(name)} does not exist "
             "(never saved, or the save did not finish)"
         )
-    return load_metadata(data, volume.describe(name), allow_unsafe=allow_unsafe)
+    return load_metadata(data, volume.url_of(name), allow_unsafe=allow_unsafe)
 
 
 def manifest_of(metadata: Metadata) -> Mapping[str, Any] | None:

@@ -343,12 +343,12 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             publish.check_no_newer_save(volume, listing, marker)
             complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
             meta_name = marker.metadata_name()
-            read_manifest = _manifest_reader(volume.describe(meta_name))
+            read_manifest = _manifest_reader(volume.url_of(meta_name))
             current = publish.read_published(volume, meta_name, listing, self._save.published_digest, read_manifest)
             superseded = _files_of_published(volume, meta_name, current)
             blob = metadata_io.dump_metadata(metadata)
             publish.publish_metadata(volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest)
-            logger.info("published %s (%d data files)", volume.describe(meta_name), len(records))
+            logger.info("published %s (%d data files)", volume.url_of(meta_name), len(records))
             # A rollback's abandonment marker annotated the checkpoint just replaced (uc_checkpoint.ops.lineage).
             stale = {layout.ABANDONED_NAME} if marker.rank is None and layout.ABANDONED_NAME in listing else set()
             publish.remove_superseded(volume, (superseded - set(records)) | stale)
@@ -398,7 +398,7 @@ def _files_of_published(volume: Volume, meta_name: str, raw: bytes | None) -> se
     if raw is None:
         return set()
     try:
-        old = metadata_io.load_metadata(raw, volume.describe(meta_name))
+        old = metadata_io.load_metadata(raw, volume.url_of(meta_name))
     except UCCheckpointError as exc:
         logger.warning("not deleting the data files of the replaced checkpoint: %s", exc)
         return set()

@@ -150,7 +150,7 @@ class FileFetch(_Pipeline[FileRecord]):
         min_size: int,
         verify: bool,
     ) -> None:
-        super().__init__(pool, f"reading {volume.describe(name)} failed", ready)
+        super().__init__(pool, f"reading {volume.url_of(name)} failed", ready)
         self.volume = volume
         self.name = name
         self.dest = dest
@@ -173,8 +173,7 @@ class FileFetch(_Pipeline[FileRecord]):
         )
         if expected is not None and self.verify and record.crc32 != expected.crc32:
             raise CorruptCheckpointError(
-                f"{self.volume.describe(record.name)} fails its checksum: "
-                f"crc32 {record.crc32}, recorded {expected.crc32}"
+                f"{self.volume.url_of(record.name)} fails its checksum: crc32 {record.crc32}, recorded {expected.crc32}"
             )
         return record
 
@@ -207,7 +206,7 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         chunk_bytes: int,
         record: FileRecord | None,
     ) -> None:
-        super().__init__(pool, f"reading {volume.describe(request.name)} failed", ready)
+        super().__init__(pool, f"reading {volume.url_of(request.name)} failed", ready)
         self.volume = volume
         self.request = request
         self.chunk_bytes = chunk_bytes
@@ -234,7 +233,7 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         self.wait()
         data = memoryview(self._buf)
         if self.record is not None:
-            verify_blocks(data, self.request.start, self.record, self.volume.describe(self.request.name))
+            verify_blocks(data, self.request.start, self.record, self.volume.url_of(self.request.name))
         return data
 
 

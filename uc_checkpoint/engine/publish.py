@@ -83,7 +83,7 @@ class SaveMarker:
         try:
             volume.delete(self.name())
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            logger.warning("could not delete the save marker %s: %s", volume.describe(self.name()), exc)
+            logger.warning("could not delete the save marker %s: %s", volume.url_of(self.name()), exc)
 
 
 def digest(raw: bytes | None) -> str:
@@ -122,7 +122,7 @@ def begin_save(
     metadata_name = marker.metadata_name()
     if metadata_name in files:
         if not overwrite:
-            raise CheckpointExistsError(f"{volume.describe(metadata_name)} exists and overwrite=False")
+            raise CheckpointExistsError(f"{volume.url_of(metadata_name)} exists and overwrite=False")
         logger.info("replacing the checkpoint published at %s", volume.url)
         published = digest(volume.read_bytes(metadata_name))
     # Uploads a killed save left behind (S3 multipart uploads) cost storage and are never
@@ -153,7 +153,7 @@ def check_data_files(
     for name, size in sizes.items():
         if listing.get(name) != size:
             raise TransferError(
-                f"not publishing {volume.url}: {volume.describe(name)} has {listing.get(name)} bytes on the volume, expected {size}"
+                f"not publishing {volume.url}: {volume.url_of(name)} has {listing.get(name)} bytes on the volume, expected {size}"
             )
     for name in set(referenced) - sizes.keys():
         raise TransferError(f"not publishing {volume.url}: no upload record for {name}")
@@ -206,7 +206,7 @@ def read_published(
     current = volume.read_bytes(name) if name in listing else None
     if expected_digest is not None and digest(current) != expected_digest:
         raise ConcurrentSaveError(
-            f"not publishing {volume.url}: another save published {volume.describe(name)} while "
+            f"not publishing {volume.url}: another save published {volume.url_of(name)} while "
             f"this one ran ({describe_publisher(current, read_manifest)}); that checkpoint "
             "is kept and this save is abandoned"
         )
@@ -234,7 +234,7 @@ def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool,
             else f"{len(landed)} bytes of other content ({describe_publisher(landed, read_manifest)})"
         )
         raise TransferError(
-            f"not published: {volume.describe(name)} was written ({len(blob)} bytes) but reading it back "
+            f"not published: {volume.url_of(name)} was written ({len(blob)} bytes) but reading it back "
             f"gives {found}; the volume lost the write. Nothing was deleted: the checkpoint that was "
             "there (if any) and this save's data files are kept"
         )
@@ -251,7 +251,7 @@ def remove_superseded(volume: Volume, names: Iterable[str]) -> None:
         try:
             volume.delete(name)
         except Exception as exc:  # noqa: BLE001 - cleanup must not fail a published save
-            logger.warning("could not delete superseded file %s: %s", volume.describe(name), exc)
+            logger.warning("could not delete superseded file %s: %s", volume.url_of(name), exc)
 
 
 def _utc(seconds: Any) -> str:
@@ -262,9 +262,9 @@ def describe_marker(volume: Volume, name: str) -> str:
     """Who wrote a save marker, in words, for error messages (its name alone when unreadable)."""
     try:
         info = json.loads(volume.read_bytes(name) or b"{}")
-        return f"{volume.describe(name)}: host {info['host']}, pid {info['pid']}, started {_utc(info['started'])}"
+        return f"{volume.url_of(name)}: host {info['host']}, pid {info['pid']}, started {_utc(info['started'])}"
     except Exception:  # noqa: BLE001 - the marker may be gone or unreadable; its name still helps
-        return volume.describe(name)
+        return volume.url_of(name)
 
 
 def describe_publisher(raw: bytes | None, read_manifest: ManifestReader) -> str:

@@ -91,7 +91,7 @@ class UploadSession:
         self._spans.append((t0, time.perf_counter()))
         if record.size != staged_size:
             raise TransferError(
-                f"{self.volume.describe(local.name)} was uploaded with {record.size} bytes, {local} has {staged_size}"
+                f"{self.volume.url_of(local.name)} was uploaded with {record.size} bytes, {local} has {staged_size}"
             )
         local.unlink()  # free staging space as soon as the file is safe on the volume
         return record

@@ -135,10 +135,10 @@ def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -
     for name, least in sorted(referenced_files(metadata).items()):
         want = exact.get(name)
         if name not in files:
-            out[name] = f"{location.describe(name)} is missing"
+            out[name] = f"{location.url_of(name)} is missing"
         elif (want is not None and files[name] != want) or files[name] < least:
             out[name] = (
-                f"{location.describe(name)} has {files[name]} bytes, expected {want if want is not None else least}"
+                f"{location.url_of(name)} has {files[name]} bytes, expected {want if want is not None else least}"
             )
     return out
 
@@ -186,8 +186,9 @@ def inspect_step(
     files: dict[str, int] | None = None
     out = info
     if details:
-        files = {n: s for n, s in retry(f"list {info.name}", location.list_files).items() if s >= 0}
-        mtimes = retry(f"list {info.name}", location.list_mtimes)
+        entries = retry(f"list {info.name}", location.list_entries)  # sizes and times, one listing
+        files = {e.name: e.size for e in entries if e.size >= 0}
+        mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
         stamp = time.time() if now is None else now
         out = replace(
             out,
@@ -277,7 +278,7 @@ def latest(
             on_skip(checked)
         else:
             log = logger.info if checked.state == "abandoned" else logger.warning
-            log("skipping checkpoint %s: %s", root.describe(info.name), checked.problem)
+            log("skipping checkpoint %s: %s", root.url_of(info.name), checked.problem)
     return None
 
 

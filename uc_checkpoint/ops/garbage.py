@@ -24,7 +24,7 @@ from uc_checkpoint.engine.staging_dir import default_staging_root
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file
 from uc_checkpoint.ops.catalog import list_steps
-from uc_checkpoint.volumes import LocalVolume, Volume, open_volume
+from uc_checkpoint.volumes import Volume, open_volume
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ def _collect_location(
     location: Volume, published: bool, cutoff: float, report: GCReport, remove_empty: bool = True
 ) -> None:
     # Only names a save produces are ever candidates: a user's own files stay, whatever their age.
-    sizes = {n: s for n, s in location.list_files().items() if s >= 0 and is_checkpoint_file(n)}
-    mtimes = location.list_mtimes()
+    entries = location.list_entries()  # sizes and times, one listing
+    sizes = {e.name: e.size for e in entries if e.size >= 0 and is_checkpoint_file(e.name)}
+    mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
     if published:
         try:
             metadata = read_metadata(location)
@@ -86,7 +87,7 @@ def _collect_location(
         report.spared_locations.append(location.url)
         return
     for name in sorted(candidates):
-        report.deleted_files.append(location.describe(name))
+        report.deleted_files.append(location.url_of(name))
         report.deleted_bytes += sizes[name]
         if not report.dry_run:
             location.delete(name)
@@ -152,10 +153,12 @@ def collect_garbage(
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
     volume = root if isinstance(root, Volume) else open_volume(root)
-    if isinstance(volume, LocalVolume) and not volume.root.is_dir():
-        raise VolumeError(
-            f"gc root {volume.url} is not a directory" + ("" if volume.root.exists() else " (it does not exist)")
-        )
+    try:
+        present = volume.exists()  # False only on stores with directories; a file raises
+    except VolumeError as exc:
+        raise VolumeError(f"gc root {volume.url} is not a directory") from exc
+    if not present:
+        raise VolumeError(f"gc root {volume.url} is not a directory (it does not exist)")
     cutoff = time.time() - grace_s
     report = GCReport(dry_run=dry_run)
     root_files = volume.list_files()

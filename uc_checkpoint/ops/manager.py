@@ -77,51 +77,52 @@ CheckpointInfo = catalog.CheckpointInfo
 class CheckpointManager:
     """Saves, finds, loads and prunes the step-numbered checkpoints under ``root``.
 
-    Args:
-        root: a path, ``file://``, ``s3://bucket/prefix`` or other fsspec URL, or a :class:`Volume`.
-        keep_last: published checkpoints to keep (newest first); ``None`` keeps all. Older ones are
-            deleted only after a newer save is published, never the location a save is writing.
-        keep_every: also keep every checkpoint whose step is a multiple of this (e.g. for evals).
-        async_save: :meth:`save` uses ``dcp.async_save`` (training resumes once the state is copied
-            to CPU memory) rather than ``dcp.save``.
-        async_mode: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``).
-        process_group: the ranks that save and load together (default: every rank). The manager
-            never issues a collective on this group itself: on first use it creates two gloo groups
-            over the same ranks, one for DCP's saves (whose collectives run in a background thread
-            while training goes on) and one for what the training thread agrees on
-            (:meth:`latest`, :meth:`list`, :meth:`preemption_requested`, :meth:`load`), so a save in
-            flight can never pair its collectives with the training loop's or the manager's own.
-        staging_dir: local staging root for writer and reader (default: ``$UC_CHECKPOINT_STAGING_DIR``
-            or the system temp dir).
-        list_attempts: attempts at listing the root before an error is raised (backoff doubling from
-            ``list_backoff_s`` seconds, at most 10 s). A listing error is never taken for "no
-            checkpoint": that would silently restart training from scratch.
-        list_backoff_s: first retry delay in seconds.
-        write_pointer: write the ``latest`` pointer file after each published save.
-        writer_options, reader_options: settings of the :class:`UCVolumeWriter` each save creates
-            and the :class:`UCVolumeReader` each load creates: a
-            :class:`~uc_checkpoint.ops.options.WriterOptions` /
-            :class:`~uc_checkpoint.ops.options.ReaderOptions` or a dict of their fields (its
-            fields and units are documented there). Checked here, once: an unknown key or a bad
-            value raises ``TypeError`` / ``ValueError`` naming it.
-        volume_options: options for the root's volume when ``root`` is a path or URL (S3 endpoint,
-            addressing style, checksums, part size, ...; see :func:`uc_checkpoint.volumes.open_volume`);
-            every checkpoint under the root gets them.
+        Args:
+            root: a path, ``file://``, ``s3://bucket/prefix`` or other fsspec URL, or a :class:`Volume`.
+            keep_last: published checkpoints to keep (newest first); ``None`` keeps all. Older ones are
+                deleted only after a newer save is published, never the location a save is writing.
+            keep_every: also keep every checkpoint whose step is a multiple of this (e.g. for evals).
+            async_save: :meth:`save` uses ``dcp.async_save`` (training resumes once the state is copied
+                to CPU memory) rather than ``dcp.save``.
+            async_mode: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``).
+            process_group: the ranks that save and load together (default: every rank). The manager
+                never issues a collective on this group itself: on first use it creates two gloo groups
+                over the same ranks, one for DCP's saves (whose collectives run in a background thread
+                while training goes on) and one for what the training thread agrees on
+                (:meth:`latest`, :meth:`list`, :meth:`preemption_requested`, :meth:`load`), so a save in
+                flight can never pair its collectives with the training loop's or the manager's own.
+            staging_dir: local staging root for writer and reader (default: ``$UC_CHECKPOINT_STAGING_DIR``
+                or the system temp dir).
+            list_attempts: attempts at listing the root before an error is raised (backoff doubling from
+                ``list_backoff_s`` seconds, at most 10 s). A listing error is never taken for "no
+                checkpoint": that would silently restart training from scratch.
+            list_backoff_s: first retry delay in seconds.
+            write_pointer: write the ``latest`` pointer file after each published save.
+            writer_options, reader_options: settings of the :class:`UCVolumeWriter` each save creates
+                and the :class:`UCVolumeReader` each load creates: a
+                :class:`~uc_checkpoint.ops.options.WriterOptions` /
+                :class:`~uc_checkpoint.ops.options.ReaderOptions` or a dict of their fields (its
+                fields and units are documented there). Checked here, once: an unknown key or a bad
+                value raises ``TypeError`` / ``ValueError`` naming it.
+            volume_options: options for the root's volume when ``root`` is a path or URL (S3 endpoint,
+                addressing style, checksums, part size, ...; see :func:`uc_checkpoint.volumes.open_volume`);
+                every checkpoint under the root gets them.
 
-    Rank 0 of the group lists, validates and prunes; the others receive its answers. A failure on
-    rank 0 is raised on every rank as the same exception class with the same message (so no rank
-    waits forever, and an ``except`` clause matches alike everywhere); a failure outside
-    :mod:`uc_checkpoint.errors`' hierarchy is a :class:`~uc_checkpoint.errors.RemoteRankError` on
-    every rank. Not thread-safe: call it from the training loop, on every rank, in the same order
-    (each call that agrees across ranks is a collective on the manager's own foreground group).
+        Rank 0 of the group lists, validates and prunes; the others receive its answers. A failure on
+        rank 0 is raised on every rank as the same exception class with the same message (so no rank
+        waits forever, and an ``except`` clause matches alike everywhere); a failure outside
+        :mod:`uc_checkpoint.errors`' hierarchy is a :class:`~uc_checkpoint.errors.RemoteRankError` on
+        every rank. Not thread-safe: call it from the training loop, on every rank, in the same order
+        (each call that agrees across ranks is a collective on the manager's own foreground group).
 
-    Length (about 320 lines of code, over the ~250 the package aims at): this is the one object a
+        Length (about 320 lines of code, over the ~250 the package aims at): this is the one object a
     training script talks to, and its public methods carry their contract (ranks, errors, units)
-    in docstrings. The decisions live elsewhere: which checkpoints to delete, the preemption flag
-    and the settings in :mod:`uc_checkpoint.ops`, how ranks agree in ``_RankGroup`` below. Still
-    here and next to go: the rollback check before the first save (``_check_rollback``, ~50
-    lines, to :mod:`uc_checkpoint.ops.lineage`) and the intact-checkpoint check behind
-    :meth:`latest` (to the checkpoint catalog).
+    in docstrings. The decisions live elsewhere: what exists and which is latest in
+    :mod:`uc_checkpoint.ops.catalog`, which checkpoints to delete in :mod:`uc_checkpoint.ops.retention`,
+    rollback markers in :mod:`uc_checkpoint.ops.lineage`, the preemption flag and the settings in
+    :mod:`uc_checkpoint.ops.preemption` / :mod:`uc_checkpoint.ops.options`, how ranks agree in
+    ``_RankGroup`` below. What stays is the order of those calls around a save: the rollback check
+    before the first one (``_check_rollback``), the record, pointer and retention after each.
     """
 
     def __init__(
@@ -238,7 +239,7 @@ class CheckpointManager:
 
     def _skipped(self, info: CheckpointInfo) -> None:
         log = logger.info if info.step in self._abandoned else logger.warning
-        log("checkpoint manager: skipping checkpoint %s: %s", self.root.describe(info.name), info.problem)
+        log("checkpoint manager: skipping checkpoint %s: %s", self.root.url_of(info.name), info.problem)
 
     def _latest_local(self) -> int | None:
         found = catalog.latest(self.root, infos=self._list_local(), check=self._inspect, on_skip=self._skipped)
@@ -445,7 +446,7 @@ class CheckpointManager:
         them): ``{"step": int, "name": "step_...", "location": URL, "time": unix seconds}``. Tools
         may read it; :meth:`latest` does not trust it and lists instead."""
         name = checkpoint_name(step)
-        body = {"step": step, "name": name, "location": self.root.describe(name), "time": time.time()}
+        body = {"step": step, "name": name, "location": self.root.url_of(name), "time": time.time()}
         self.root.publish_bytes(POINTER_NAME, (json.dumps(body) + "\n").encode(), overwrite=True)
 
     def read_latest_pointer(self) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from uc_checkpoint.errors import VolumeError, one_line
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.ops.catalog import file_problems, missing_or_short
-from uc_checkpoint.volumes import LocalVolume, Volume, open_volume
+from uc_checkpoint.volumes import Volume, open_volume
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,12 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
             store's client has retried already).
     """
     volume = root if isinstance(root, Volume) else open_volume(root)
-    if isinstance(volume, LocalVolume) and not volume.root.is_dir():
-        raise VolumeError(
-            f"checkpoint root {volume.url} " + ("is not a directory" if volume.root.exists() else "does not exist")
-        )
+    try:
+        present = volume.exists()  # False only on stores with directories; a file raises
+    except VolumeError as exc:
+        raise VolumeError(f"checkpoint root {volume.url} is not a directory") from exc
+    if not present:
+        raise VolumeError(f"checkpoint root {volume.url} does not exist")
     return [
         CheckpointSummary(
             step=info.step,

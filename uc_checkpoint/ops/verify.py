@@ -59,7 +59,7 @@ def _check_file(volume: Volume, record: FileRecord, progress: Callable[[int], No
         if progress is not None:
             progress(len(data))
     got = digest.record(record.name)
-    where = volume.describe(record.name)
+    where = volume.url_of(record.name)
     if got.crc32 != record.crc32:
         return f"{where} fails its checksum: crc32 {got.crc32}, recorded {record.crc32}"
     if record.block_crc32 and got.block_crc32 != record.block_crc32:

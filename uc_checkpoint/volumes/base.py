@@ -88,9 +88,13 @@ class Volume(ABC):
         Throttling, 5xx, timeouts, cut bodies: read it before and after a transfer for its count."""
         return 0
 
-    def describe(self, name: str) -> str:
-        """The full URL or path of ``name`` for messages."""
+    def url_of(self, name: str) -> str:
+        """The full URL or path of ``name`` (for messages and logs)."""
         return f"{self.url.rstrip('/')}/{name}"
+
+    def describe(self, name: str) -> str:
+        """Old name of :meth:`url_of`, kept for one release."""
+        return self.url_of(name)
 
     @abstractmethod
     def child(self, name: str) -> Volume:
@@ -214,7 +218,7 @@ class Volume(ABC):
             TransferError: the copy failed or landed with another size or checksum; the message
                 names both ends.
         """
-        where = self.describe(name)
+        where = self.url_of(name)
         digest = Digest()
         try:
             with open(local_path, "rb") as src, self.open_write(name, sync=sync) as dst:
@@ -248,7 +252,7 @@ class Volume(ABC):
                 than ``expected_size`` or less than ``min_size``, or changed size while copied.
             TransferError: the copy failed for another reason.
         """
-        where = self.describe(name)
+        where = self.url_of(name)
         digest = Digest()
         try:
             with self.open_read(name) as (src, actual):
@@ -265,19 +269,19 @@ class Volume(ABC):
     # ---- shared wording -----------------------------------------------------------------------
     def _missing(self, name: str) -> CorruptCheckpointError:
         """The error for a checkpoint file that is not there (raise it, ``from`` the store's)."""
-        return CorruptCheckpointError(f"checkpoint file {self.describe(name)} is missing")
+        return CorruptCheckpointError(f"checkpoint file {self.url_of(name)} is missing")
 
     def _truncated(self, name: str, start: int, end: int, got: int) -> CorruptCheckpointError:
         """The error for a read of bytes ``[start, end)`` of ``name`` that gave only ``got`` bytes."""
         return CorruptCheckpointError(
-            f"checkpoint file {self.describe(name)} is truncated: bytes {start}-{end - 1} needed, got {got}"
+            f"checkpoint file {self.url_of(name)} is truncated: bytes {start}-{end - 1} needed, got {got}"
         )
 
     def _check_size(self, name: str, actual: int | None, expected_size: int | None, min_size: int) -> int:
         """The one wording of a missing or wrongly sized data file; returns how many bytes to read:
         the whole file when its size is known from a manifest, else only the ``min_size`` bytes the
         items need (a stock checkpoint's file may have grown; nothing past them is of use)."""
-        where = self.describe(name)
+        where = self.url_of(name)
         if actual is None:
             raise self._missing(name)
         if expected_size is not None and actual != expected_size:
@@ -294,7 +298,7 @@ class Volume(ABC):
     def _check_copied(self, name: str, copied: int, size: int) -> None:
         if copied != size:
             raise CorruptCheckpointError(
-                f"checkpoint file {self.describe(name)} changed while it was read: {copied} bytes read, {size} expected"
+                f"checkpoint file {self.url_of(name)} changed while it was read: {copied} bytes read, {size} expected"
             )
 
     @abstractmethod

@@ -179,7 +179,7 @@ class FsspecVolume(Volume):
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"stat of {self.describe(name)} failed: {exc}") from exc
+            raise TransferError(f"stat of {self.url_of(name)} failed: {exc}") from exc
         return None if info.get("type") == "directory" else int(info.get("size") or 0)
 
     # ---- data movement ------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class FsspecVolume(Volume):
             yield src, size
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        where = self.describe(name)
+        where = self.url_of(name)
         try:
             self._fresh(self._path(name))
             data = self.fs.cat_file(self._path(name), start=start, end=end)
@@ -223,12 +223,12 @@ class FsspecVolume(Volume):
         except FileNotFoundError:
             return None
         except IsADirectoryError as exc:
-            raise CorruptCheckpointError(f"{self.describe(name)} is a directory, not a file") from exc
+            raise CorruptCheckpointError(f"{self.url_of(name)} is a directory, not a file") from exc
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"reading {self.describe(name)} failed: {exc}") from exc
+            raise TransferError(f"reading {self.url_of(name)} failed: {exc}") from exc
 
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
-        where = self.describe(name)
+        where = self.url_of(name)
         try:
             if overwrite:
                 self.fs.pipe_file(self._path(name), data)
@@ -258,7 +258,7 @@ class FsspecVolume(Volume):
         except FileNotFoundError:
             pass
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc
+            raise TransferError(f"deleting {self.url_of(name)} failed: {exc}") from exc
 
 
 def _mtime_of(entry: dict[str, Any]) -> float | None:

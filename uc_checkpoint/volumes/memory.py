@@ -190,7 +190,7 @@ class MemoryVolume(Volume):
         with self.store.lock:
             found = self.store.files.get(key)
             if found is None and self.store.is_dir(key):
-                raise CorruptCheckpointError(f"checkpoint file {self.describe(name)} is not a regular file")
+                raise CorruptCheckpointError(f"checkpoint file {self.url_of(name)} is not a regular file")
         return None if found is None else found[0]
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
@@ -212,7 +212,7 @@ class MemoryVolume(Volume):
             CheckpointExistsError: ``overwrite=False`` and ``name`` exists.
             TransferError: the location does not exist, or ``name`` is a directory.
         """
-        where = self.describe(name)
+        where = self.url_of(name)
         try:
             self.store.write(self._key(name), data, exclusive=not overwrite)
         except FileExistsError as exc:
@@ -224,7 +224,7 @@ class MemoryVolume(Volume):
         key = self._key(name)
         with self.store.lock:
             if key not in self.store.files and self.store.is_dir(key):
-                raise TransferError(f"deleting {self.describe(name)} failed: it is a directory")
+                raise TransferError(f"deleting {self.url_of(name)} failed: it is a directory")
             self.store.files.pop(key, None)
 
     def remove_if_empty(self) -> None:

@@ -370,7 +370,7 @@ class S3Volume(Volume):
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 return None
-            raise TransferError(f"HEAD {self.describe(name)} failed: {exc}{_hint(exc)}") from exc
+            raise TransferError(f"HEAD {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
         return int(head["ContentLength"])
 
     # ---- data movement ------------------------------------------------------------------------
@@ -380,7 +380,7 @@ class S3Volume(Volume):
         return ChunksizeAdjuster().adjust_chunksize(self.part_size, size)
 
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
-        where = self.describe(name)
+        where = self.url_of(name)
         size = local_path.stat().st_size
         multipart = size >= self.multipart_threshold
         digest = digest_file(local_path, part_size=self._effective_part_size(size) if multipart else None)
@@ -395,7 +395,7 @@ class S3Volume(Volume):
         return record
 
     def _verify_upload(self, name: str, record: FileRecord, digest: Digest, multipart: bool) -> None:
-        where = self.describe(name)
+        where = self.url_of(name)
         mode = {"ChecksumMode": "ENABLED"} if self._read_checksums() else {}
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.key(name), **mode)
@@ -423,7 +423,7 @@ class S3Volume(Volume):
     ) -> FileRecord:
         from s3transfer.subscribers import BaseSubscriber
 
-        where = self.describe(name)
+        where = self.url_of(name)
         actual = self.size(name)
         size = self._check_size(name, actual, expected_size, min_size)
         if size != actual:  # only the items' bytes of a file without a manifest record
@@ -447,7 +447,7 @@ class S3Volume(Volume):
         return record
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        where = self.describe(name)
+        where = self.url_of(name)
         if end <= start:
             return b""
         try:
@@ -473,7 +473,7 @@ class S3Volume(Volume):
                 raise VolumeError(f"cannot read {self.url}: bucket {self.bucket!r} does not exist") from exc
             if _is_missing(exc):
                 return None
-            raise TransferError(f"reading {self.describe(name)} failed: {exc}{_hint(exc)}") from exc
+            raise TransferError(f"reading {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
 
     def _get(self, name: str, byte_range: str | None) -> bytes:
         """GET an object (or a range of it). botocore retries a failed request; a body cut off
@@ -496,13 +496,13 @@ class S3Volume(Volume):
                 if attempt == self.max_attempts:
                     raise
                 delay = random.uniform(0, min(20.0, 0.1 * 2**attempt))  # full jitter
-                logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.describe(name), exc, attempt, delay)
+                logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.url_of(name), exc, attempt, delay)
                 self._shared.add_retries(1)
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
-        where = self.describe(name)
+        where = self.url_of(name)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
         if self._send_checksums():
             kwargs["ChecksumAlgorithm"] = "CRC32"
@@ -530,7 +530,7 @@ class S3Volume(Volume):
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 return
-            raise TransferError(f"deleting {self.describe(name)} failed: {exc}") from exc
+            raise TransferError(f"deleting {self.url_of(name)} failed: {exc}") from exc
 
     def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
         prefix = self._dir_prefix()
