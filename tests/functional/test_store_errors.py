@@ -61,14 +61,16 @@ KINDS: dict[str, Callable[[str, str], bool]] = {
     "get-data": lambda m, t: m == "GET" and f"/run/{NEWEST}/__" in _key_path(t) and _key_path(t).endswith(".distcp"),
 }
 
-#: What each operation reads: an operation whose requests include the kind must fail.
+#: What each operation reads: an operation whose requests include the kind must fail. Only list()
+#: looks up each .metadata with a HEAD; latest(), load, ls and gc learn it from the GET of the
+#: .metadata or from the location's listing (their requests do not grow with the checkpoints kept).
 USES = {
-    "latest": {"list-root", "list-newest", "head-metadata", "get-metadata"},
+    "latest": {"list-root", "list-newest", "get-metadata"},
     "list": {"list-root", "head-metadata"},
-    "load": {"list-root", "list-newest", "head-metadata", "get-metadata", "get-data"},
-    "ls": {"list-root", "list-newest", "head-metadata", "get-metadata"},
+    "load": {"list-root", "list-newest", "get-metadata", "get-data"},
+    "ls": {"list-root", "list-newest", "get-metadata"},
     "verify": {"list-newest", "get-metadata", "get-data"},
-    "gc": {"list-root", "list-newest", "head-metadata", "get-metadata"},
+    "gc": {"list-root", "list-newest", "get-metadata"},
 }
 
 

@@ -71,7 +71,8 @@ class CheckpointInfo:
     Attributes:
         step: the training step (from the ``step_NNNNNNNN`` name).
         name: the location's name under the root.
-        published: its ``.metadata`` exists (the save finished).
+        published: its ``.metadata`` exists (the save finished); None when not looked up yet
+            (a listing with ``published=False``: see :func:`is_published`).
         state: ``"complete"``, ``"incomplete"``, ``"broken"`` or ``"abandoned"`` (see the module
             docstring); None for a published location not inspected yet.
         problem: what is wrong with a broken checkpoint, which rollback abandoned an abandoned
@@ -87,7 +88,7 @@ class CheckpointInfo:
 
     step: int
     name: str
-    published: bool
+    published: bool | None
     state: str | None = None
     problem: str | None = None
     bytes: int | None = None
@@ -107,10 +108,14 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def list_steps(root: Volume) -> list[CheckpointInfo]:
-    """Every step location under ``root``, oldest first: one listing of the root, then the size of
-    each location's ``.metadata`` (a HEAD on object stores). Unpublished ones are ``"incomplete"``;
-    published ones are not inspected (``state`` None).
+def list_steps(root: Volume, *, published: bool = True) -> list[CheckpointInfo]:
+    """Every step location under ``root``, oldest first: one listing of the root, then (with
+    ``published``) the size of each location's ``.metadata`` (a HEAD on object stores).
+    Unpublished ones are ``"incomplete"``; published ones are not inspected (``state`` None).
+
+    ``published=False`` stops after the one listing: every record's ``published`` is None, for
+    callers that look up only the few they need (:func:`is_published`), newest first, so that
+    their cost does not grow with the number of checkpoints kept.
 
     Raises:
         TransferError / VolumeError: the root cannot be listed or a ``.metadata`` not looked up.
@@ -119,10 +124,23 @@ def list_steps(root: Volume) -> list[CheckpointInfo]:
     for name in root.list_files():
         match = _STEP_DIR.match(name)
         if match:
-            child = name.rstrip("/")
-            published = root.child(child).size(METADATA_NAME) is not None
-            out.append(CheckpointInfo(int(match.group(1)), child, published, None if published else "incomplete"))
+            info = CheckpointInfo(int(match.group(1)), name.rstrip("/"), None)
+            out.append(is_published(root, info) if published else info)
     return sorted(out, key=lambda i: (i.step, i.name))
+
+
+def is_published(root: Volume, info: CheckpointInfo, retry: Retry = call_once) -> CheckpointInfo:
+    """``info`` with ``published`` looked up (one ``.metadata`` size: a HEAD on object stores)
+    when it is not known yet; unpublished ones get ``state="incomplete"``.
+
+    Raises:
+        TransferError / VolumeError: the lookup failed (after ``retry``).
+    """
+    if info.published is not None:
+        return info
+    location = root.child(info.name)
+    found = retry(f"look up {info.name}/{METADATA_NAME}", lambda: location.size(METADATA_NAME)) is not None
+    return replace(info, published=found, state=None if found else "incomplete")
 
 
 def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -> dict[str, str]:
@@ -196,7 +214,9 @@ def inspect_step(
             files=sum(1 for n in files if n.endswith(DATA_SUFFIX)),
             age_s=(stamp - max(mtimes.values())) if mtimes else None,
         )
-    if not info.published:
+    if info.published is None and files is not None:
+        out = replace(out, published=METADATA_NAME in files)  # the location's listing says it
+    if out.published is False:
         return replace(out, state="incomplete")
     try:
         metadata = retry(
@@ -205,8 +225,11 @@ def inspect_step(
     except CorruptCheckpointError as exc:
         return replace(out, state="broken", problem=str(exc))
     except CheckpointNotFoundError as exc:
+        if out.published is None:  # not looked up before: a save that has not finished, not a problem
+            return replace(out, published=False, state="incomplete")
         # Unpublished (retention, a re-save) since it was listed.
         return replace(out, published=False, state="incomplete", problem=f"no longer published: {exc}")
+    out = replace(out, published=True)
     if files is None:
         files = retry(f"list {info.name}", location.list_files)
     manifest = manifest_of(metadata)
@@ -229,7 +252,8 @@ def scan(root: Volume, *, now: float | None = None) -> list[CheckpointInfo]:
         TransferError / VolumeError: the root, a location or a ``.metadata`` cannot be read.
     """
     stamp = time.time() if now is None else now
-    return [inspect_step(root, info, details=True, now=stamp) for info in list_steps(root)]
+    # The root's listing, then per location its own listing (which shows .metadata) and a GET.
+    return [inspect_step(root, info, details=True, now=stamp) for info in list_steps(root, published=False)]
 
 
 def latest(
@@ -250,7 +274,8 @@ def latest(
     Args:
         retry: how each store call is made (see :class:`Retry`).
         allow_unsafe: see :func:`inspect_step`.
-        infos: the root's listing when the caller has it already (:func:`list_steps`).
+        infos: the root's listing when the caller has it already (:func:`list_steps`, with or
+            without ``published``).
         check: inspects one published location (default: :func:`inspect_step` with
             ``rollback_first``, so that every abandoned step on the way is recognised as such).
         on_skip: called with each inspected location that is not complete (default: log it,
@@ -261,12 +286,17 @@ def latest(
             error is never taken for "no checkpoint" or "broken" (that would silently resume from
             an older step).
     """
-    listed = infos if infos is not None else retry("list checkpoints", lambda: list_steps(root))
+    # One listing, then newest first until one qualifies: the requests do not grow with the number
+    # of checkpoints kept (an unpublished location costs the one request that finds it so).
+    listed = infos if infos is not None else retry("list checkpoints", lambda: list_steps(root, published=False))
     for info in reversed(listed):
-        if not info.published:
+        if info.published is False:
             continue
         if not intact:
-            return info
+            info = is_published(root, info, retry)
+            if info.published:
+                return info
+            continue
         checked = (
             check(info)
             if check is not None
@@ -274,6 +304,8 @@ def latest(
         )
         if checked.state == "complete":
             return checked
+        if info.published is None and checked.published is False:
+            continue  # a save that never finished: nothing to report
         if on_skip is not None:
             on_skip(checked)
         else:
@@ -292,7 +324,7 @@ def list_checkpoints(root: Volume) -> list[tuple[int, str, bool]]:
     ``published`` is true when the location's ``.metadata`` exists: the save finished. New code uses
     :func:`list_steps`, which gives :class:`CheckpointInfo` records.
     """
-    return [(info.step, info.name, info.published) for info in list_steps(root)]
+    return [(info.step, info.name, bool(info.published)) for info in list_steps(root)]
 
 
 def latest_checkpoint(root: Volume) -> tuple[int, str] | None:
@@ -310,6 +342,7 @@ __all__ = [
     "checkpoint_name",
     "file_problems",
     "inspect_step",
+    "is_published",
     "latest",
     "latest_checkpoint",
     "list_checkpoints",

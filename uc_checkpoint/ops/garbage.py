@@ -54,12 +54,14 @@ class GCReport:
 
 
 def _collect_location(
-    location: Volume, published: bool, cutoff: float, report: GCReport, remove_empty: bool = True
+    location: Volume, published: bool | None, cutoff: float, report: GCReport, remove_empty: bool = True
 ) -> None:
     # Only names a save produces are ever candidates: a user's own files stay, whatever their age.
     entries = location.list_entries()  # sizes and times, one listing
     sizes = {e.name: e.size for e in entries if e.size >= 0 and is_checkpoint_file(e.name)}
     mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
+    if published is None:  # not looked up by the caller: the listing shows it
+        published = METADATA_NAME in sizes
     if published:
         try:
             metadata = read_metadata(location)
@@ -167,7 +169,7 @@ def collect_garbage(
         _collect_location(volume, METADATA_NAME in root_files, cutoff, report, remove_empty=False)
         if not dry_run:
             report.aborted_uploads += volume.abort_incomplete_uploads(older_than_s=grace_s)
-    for info in list_steps(volume):
+    for info in list_steps(volume, published=False):  # each location's own listing says the rest
         location = volume.child(info.name)
         _collect_location(location, info.published, cutoff, report)
         if not dry_run:

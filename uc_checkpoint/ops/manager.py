@@ -199,6 +199,14 @@ class CheckpointManager:
     def _list_local(self) -> builtins.list[CheckpointInfo]:
         return self._retry("list checkpoints", lambda: catalog.list_steps(self.root))
 
+    def _list_steps(self) -> builtins.list[CheckpointInfo]:
+        """The root's one listing, ``published`` not looked up yet (see :meth:`_published`)."""
+        return self._retry("list checkpoints", lambda: catalog.list_steps(self.root, published=False))
+
+    def _published(self, info: CheckpointInfo) -> bool:
+        """Whether ``info``'s ``.metadata`` exists (one lookup when the listing did not say)."""
+        return bool(catalog.is_published(self.root, info, self._retry).published)
+
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every step location under the root, oldest first (published or not).
 
@@ -242,7 +250,7 @@ class CheckpointManager:
         log("checkpoint manager: skipping checkpoint %s: %s", self.root.url_of(info.name), info.problem)
 
     def _latest_local(self) -> int | None:
-        found = catalog.latest(self.root, infos=self._list_local(), check=self._inspect, on_skip=self._skipped)
+        found = catalog.latest(self.root, infos=self._list_steps(), check=self._inspect, on_skip=self._skipped)
         return None if found is None else found.step
 
     def latest(self) -> int | None:
@@ -338,7 +346,7 @@ class CheckpointManager:
         """Rank 0, before this manager's first save: mark the published steps above ``step`` as
         abandoned, and take back the step this manager resumed from if it was abandoned; returns
         the steps abandoned now."""
-        infos = self._list_local()
+        infos = self._list_steps()
         resumed = self._resumed_from
         self._abandoned.discard(step)  # saved again now, on this line
         if resumed is not None:
@@ -355,7 +363,7 @@ class CheckpointManager:
                         "is saved from: it is part of the run's line again",
                         resumed,
                     )
-        newer = lineage.newer_published([i.step for i in infos if i.published], step)
+        newer = lineage.newer_published([i.step for i in infos if i.step > step and self._published(i)], step)
         marked = []
         for old in newer:
             if old == resumed:
@@ -421,13 +429,14 @@ class CheckpointManager:
             return  # nothing published: keep everything
         # One listing serves both; without it neither can run safely (the pointer could move back to
         # an older step, retention could not tell what exists).
-        infos = self._housekeeping(step, "listing the checkpoints", self._list_local)
+        infos = self._housekeeping(step, "listing the checkpoints", self._list_steps)
         if infos is None:
             return
         # The pointer names the newest checkpoint of the run's line: saving an older step again must
-        # not move it back (abandoned steps do not count).
-        current = [i.step for i in infos if i.published and i.step not in self._abandoned]
-        if self.write_pointer and step >= max(current, default=step):
+        # not move it back (abandoned steps do not count). Only steps above this one can say so,
+        # usually none: the housekeeping's requests do not grow with the checkpoints kept.
+        newer = [i for i in infos if i.step > step and i.step not in self._abandoned]
+        if self.write_pointer and not any(self._published(i) for i in newer):
             self._housekeeping(step, f"writing the {POINTER_NAME} pointer", lambda: self.write_latest_pointer(step))
         self._housekeeping(step, "retention (deleting old checkpoints)", lambda: self._prune(infos, protect={step}))
 
@@ -474,18 +483,34 @@ class CheckpointManager:
         return self._prune(self._list_local(), protect)
 
     def _prune(self, infos: builtins.list[CheckpointInfo], protect: set[int] | frozenset[int]) -> builtins.list[int]:
+        """Retention over ``infos`` (a listing, ``published`` looked up or not): whether a location
+        is published is looked up only where it decides something, newest first until
+        ``keep_last`` published ones are found, then for each older deletion candidate; so a save's
+        housekeeping costs requests in proportion to what it deletes, not to what is kept."""
         if self.keep_last is None:
             return []
-        published = [i for i in infos if i.published]
         keep = set(protect)
         if self._inflight is not None:
             keep.add(self._inflight[0])
         # Only steps above the one just saved can belong to an abandoned branch this manager has not
         # seen yet (another run's rollback): usually none, so this costs no request.
         above = max(protect, default=None)
-        for info in published:
-            if above is not None and info.step > above and info.step not in self._abandoned:
+        for info in infos:
+            if above is not None and info.step > above and info.step not in self._abandoned and self._published(info):
                 self._problem(info)  # records the step as abandoned when its marker applies
+        # Newest first in the policy's order (the current line above an abandoned branch).
+        ranked = sorted(infos, key=lambda i: (i.step not in self._abandoned, i.step), reverse=True)
+        published: builtins.list[CheckpointInfo] = []
+        newest = 0
+        for info in ranked:
+            if newest < self.keep_last:
+                if self._published(info):
+                    published.append(info)
+                    newest += 1
+            elif info.step in keep or (self.keep_every and info.step % self.keep_every == 0):
+                published.append(info)  # kept whatever it is: no need to look
+            elif self._published(info):
+                published.append(info)
         plan = steps_to_delete(
             [i.step for i in published],
             keep_last=self.keep_last,
