@@ -10,8 +10,15 @@ Cases (``--case``):
 * ``fs``: DCP's stock ``FileSystemWriter`` / ``FileSystemReader`` on a path (local disk or a mount).
 * ``fsspec``: DCP's ``FsspecWriter`` / ``FsspecReader`` (needs the ``s3fs`` Python package for s3://).
 * ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (needs that package).
-* ``boto3``: the store's limit: the data files of a local ``dcp.save`` uploaded and downloaded with
-  boto3's ``upload_file`` / ``download_file`` (s3transfer), 4 files at a time, as our writer does.
+* ``boto3``: the store's limit: the data files our writer makes (the same object layout, staged to
+  local disk untimed) uploaded and downloaded with boto3's ``upload_file`` / ``download_file``
+  (s3transfer), 4 files at a time, as our writer does. The same process also times the **naive
+  staged path**: a sync ``FileSystemWriter`` save to local disk with as many files as ours, then
+  those files uploaded the same way, one after the other (no overlap); its load downloads them and
+  runs ``FileSystemReader`` on the local copy.
+
+Client CPU: ``*_cpu_s`` fields are the user + system seconds of the case's process (all its threads)
+over each timed call; the S3 server runs in the runner's process, so its CPU is not counted.
 
 Every case first times a plain in-memory copy of the state dict (the floor for any async save's
 blocked time). Save cases then measure, in this order:
@@ -52,6 +59,12 @@ def _rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far, all threads (not children)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _reset_peak() -> None:
@@ -157,9 +170,10 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = _rss_kib("VmRSS")
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-sync"))
     out["sync_save_s"] = time.perf_counter() - t0
+    out["sync_save_cpu_s"] = _cpu_s() - c0
     out["sync_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
 
     # 2. async save: blocked time and time until .metadata is on the volume
@@ -196,22 +210,25 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = _rss_kib("VmRSS")
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     dcp.load(target, storage_reader=_reader(args.case, args.dest))
     out["load_s"] = time.perf_counter() - t0
+    out["load_cpu_s"] = _cpu_s() - c0
     out["load_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
     state.assert_equal(sd, target)
     out["verified"] = True
     return out
 
 
-def run_boto3(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
-    """Raw boto3 transfers of the bytes a save produces (staged once to local disk, untimed)."""
+def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[str, Any]:
+    """Raw boto3 transfers of the files our writer makes (staged to local disk, untimed), then the
+    naive staged path (see the module docstring)."""
     import tempfile
 
     import boto3
     from boto3.s3.transfer import TransferConfig
 
+    from uc_checkpoint import UCVolumeWriter
     from uc_checkpoint.volumes.s3 import DEFAULT_MAX_CONCURRENCY, DEFAULT_MULTIPART_THRESHOLD, DEFAULT_PART_SIZE
 
     bucket, _, prefix = args.dest[5:].partition("/")
@@ -221,34 +238,74 @@ def run_boto3(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
         multipart_chunksize=DEFAULT_PART_SIZE,
         max_concurrency=DEFAULT_MAX_CONCURRENCY,
     )
-    with tempfile.TemporaryDirectory(dir=os.environ.get("UC_CHECKPOINT_STAGING_DIR")) as tmp:
-        src = Path(tmp) / "src"
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(src)))
-        files = sorted(p for p in src.iterdir() if p.suffix == ".distcp")
-        nbytes = sum(p.stat().st_size for p in files)
-        if dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
+
+    def upload(files: list[Path], key_prefix: str) -> None:
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda p: client.upload_file(str(p), bucket, f"{prefix}/{p.name}", Config=config), files))
-        up = time.perf_counter() - t0
-        if dist.is_initialized():
-            dist.barrier()
-        dst = Path(tmp) / "dst"
-        dst.mkdir()
-        _drop_page_cache()
-        t0 = time.perf_counter()
+            list(pool.map(lambda p: client.upload_file(str(p), bucket, f"{key_prefix}/{p.name}", Config=config), files))
+
+    def download(files: list[Path], key_prefix: str, into: Path) -> None:
+        into.mkdir(exist_ok=True)
         with ThreadPoolExecutor(4) as pool:
             list(
                 pool.map(
-                    lambda p: client.download_file(bucket, f"{prefix}/{p.name}", str(dst / p.name), Config=config),
+                    lambda p: client.download_file(bucket, f"{key_prefix}/{p.name}", str(into / p.name), Config=config),
                     files,
                 )
             )
-        down = time.perf_counter() - t0
+
+    def barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("UC_CHECKPOINT_STAGING_DIR")) as mine:
+        # One directory for all ranks (rank 0's), as one checkpoint location on a shared disk.
+        shared = [mine]
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        tmp = shared[0]
+        # Raw boto3 on our object layout: stage with our writer to a local directory (untimed).
+        src = Path(tmp) / "src"
+        dcp.save(sd, storage_writer=UCVolumeWriter(str(src)))
+        files = sorted(p for p in src.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
+        out["file_bytes"] = sum(p.stat().st_size for p in files)
+        out["files"] = len(files)
+        barrier()
+        t0, c0 = time.perf_counter(), _cpu_s()
+        upload(files, prefix)
+        out["upload_s"], out["upload_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        barrier()
+        _drop_page_cache()
+        t0, c0 = time.perf_counter(), _cpu_s()
+        download(files, prefix, Path(tmp) / f"dst{rank}")
+        out["download_s"], out["download_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
         for p in files:
-            assert (dst / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs after download"
-    return {"upload_s": up, "download_s": down, "file_bytes": nbytes, "verified": True}
+            assert (Path(tmp) / f"dst{rank}" / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs"
+
+        # The naive staged path: stock writer to local disk with as many files, then upload them.
+        naive, naive_prefix = Path(tmp) / "naive", f"{prefix}-naive"
+        barrier()
+        t0, c0 = time.perf_counter(), _cpu_s()
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(naive), thread_count=max(1, len(files))))
+        naive_files = sorted(p for p in naive.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
+        upload(naive_files, naive_prefix)
+        barrier()
+        out["naive_save_s"], out["naive_save_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        local = Path(tmp) / "naive-dst"
+        _drop_page_cache()
+        target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
+        barrier()
+        t0, c0 = time.perf_counter(), _cpu_s()
+        download(naive_files, naive_prefix, local)
+        if rank == 0:
+            (local / ".metadata").write_bytes((naive / ".metadata").read_bytes())  # as a load would fetch it
+        barrier()
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(local)))
+        out["naive_load_s"], out["naive_load_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        state.assert_equal(sd, target)
+        barrier()  # rank 0 removes the shared directory on leaving
+    out["verified"] = True
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "memcopy_s": _timed_copy(sd),
     }
     if args.case == "boto3":
-        result.update(run_boto3(args, sd, rank))
+        result.update(run_boto3(args, sd, mesh, rank))
     else:
         result.update(run_save_load(args, sd, mesh, rank))
     if dist.is_initialized():

@@ -30,6 +30,10 @@ TARGETS = (
 )
 
 
+NAIVE_S = ("naive_save_s", "naive_load_s")
+NAIVE_CPU = ("naive_save_cpu_s", "naive_load_cpu_s")
+GIB = 1 << 30
+
 # (state-dict kind, requested size in MiB, ranks): one section of the report.
 Combo = tuple[str, int, int]
 
@@ -48,7 +52,11 @@ def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Comb
             "rank_bytes": max(r["rank_bytes"] for r in rs),
             "memcopy_s": max(r["memcopy_s"] for r in rs),
         }
-        for key in ("blocked_s", "load_s", "upload_s", "download_s", "sync_save_s", "async_done_s"):
+        for key in ("sync_save_cpu_s", "load_cpu_s", "upload_cpu_s", "download_cpu_s", *NAIVE_CPU):
+            vals = [r[key] for r in rs if key in r]
+            if vals:
+                row[key] = sum(vals)  # client CPU of every rank's process
+        for key in ("blocked_s", "load_s", "upload_s", "download_s", "sync_save_s", "async_done_s", *NAIVE_S):
             vals = [r[key] for r in rs if key in r]
             if vals:
                 row[key] = max(vals)
@@ -107,6 +115,52 @@ def target_ratios(
     else:
         add(6, None, None)
     return rows
+
+
+def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list[tuple[str, str, str, str, str]]:
+    """(path, sync save s, save client CPU-s/GiB, load s, load client CPU-s/GiB) for one combo: every
+    case that measured CPU, the naive staged path and raw boto3 on our files (from the boto3 case).
+    CPU is per GiB of checkpoint, summed over the ranks' processes (the store's CPU is not in it)."""
+
+    def per_gib(row: dict[str, float], key: str) -> str:
+        return _fmt(row[key] / (row["bytes"] / GIB)) if key in row else "-"
+
+    out = []
+    for (c, name), row in sorted(m.items(), key=lambda kv: kv[0][1]):
+        if c != combo:
+            continue
+        if name == "boto3":
+            if "naive_save_s" in row:
+                out.append(
+                    (
+                        "naive staged: FileSystemWriter to local disk, then boto3",
+                        _fmt(row["naive_save_s"]),
+                        per_gib(row, "naive_save_cpu_s"),
+                        _fmt(row.get("naive_load_s")),
+                        per_gib(row, "naive_load_cpu_s"),
+                    )
+                )
+            if "upload_cpu_s" in row:
+                out.append(
+                    (
+                        "raw boto3 on our files (transfer only)",
+                        _fmt(row["upload_s"]),
+                        per_gib(row, "upload_cpu_s"),
+                        _fmt(row["download_s"]),
+                        per_gib(row, "download_cpu_s"),
+                    )
+                )
+        elif "sync_save_cpu_s" in row:
+            out.append(
+                (
+                    name,
+                    _fmt(row["sync_save_s"]),
+                    per_gib(row, "sync_save_cpu_s"),
+                    _fmt(row.get("load_s")),
+                    per_gib(row, "load_cpu_s"),
+                )
+            )
+    return out
 
 
 def _fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -205,6 +259,17 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         lines += ["| target | wanted | measured | met |", "|---|---|---|---|"]
         for label, want, got, ok in target_ratios(m, combo):
             lines.append(f"| {label} | {want} | {got} | {'-' if ok is None else ('yes' if ok else 'NO')} |")
+        cpu = cpu_rows(m, combo)
+        if cpu:
+            lines += [
+                "",
+                "Synchronous `dcp.save` then `dcp.load`, with the client's CPU (user + system seconds of "
+                "every rank's process per GiB of checkpoint; the S3 server's CPU is not in it):",
+                "",
+                "| path | save s | save CPU-s/GiB | load s | load CPU-s/GiB |",
+                "|---|---|---|---|---|",
+                *(f"| {' | '.join(r)} |" for r in cpu),
+            ]
         png = path.parent / path.stem / f"{kind}-{size_mb}mib-{ranks}rank.png"
         if _plot(m, combo, png):
             lines += ["", f"![{kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}]({path.stem}/{png.name})"]

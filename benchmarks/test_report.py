@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import medians, target_ratios, write_report
+from benchmarks.report import cpu_rows, medians, target_ratios, write_report
 from benchmarks.run import parse_kind
 
 MIB = 1 << 20
@@ -89,3 +89,39 @@ def test_kind_specs() -> None:
     for bad in ("big", "gpt:", "gpt:0", "gpt:1.5", "gpt:-3"):
         with pytest.raises(argparse.ArgumentTypeError, match="--kinds"):
             parse_kind(bad, 256)
+
+
+def test_cpu_rows_are_per_gib_summed_over_ranks() -> None:
+    # Two ranks of 128 MiB each (256 MiB in all): CPU seconds add up over the ranks' processes.
+    results = []
+    for rank in (0, 1):
+        base = {"kind": "gpt", "size_mb": 256, "ranks": 2, "repeat": 0, "rank_bytes": 128 * MIB, "memcopy_s": 0.1}
+        results.append(
+            {
+                **base,
+                "name": "uc-s3",
+                "sync_save_s": 1.0 + rank,
+                "sync_save_cpu_s": 0.5,
+                "load_s": 0.5,
+                "load_cpu_s": 0.25,
+            }
+        )
+        results.append(
+            {
+                **base,
+                "name": "boto3",
+                "upload_s": 0.8,
+                "download_s": 0.6,
+                "upload_cpu_s": 0.125,
+                "download_cpu_s": 0.125,
+                "naive_save_s": 2.0,
+                "naive_save_cpu_s": 1.0,
+                "naive_load_s": 1.5,
+                "naive_load_cpu_s": 0.5,
+            }
+        )
+    rows = {r[0]: r[1:] for r in cpu_rows(medians(results), ("gpt", 256, 2))}
+    # 0.25 GiB in all: uc 1.0 CPU-s of save -> 4.00 per GiB; the slowest rank's time.
+    assert rows["uc-s3"] == ("2.00", "4.00", "0.50", "2.00")
+    assert rows["naive staged: FileSystemWriter to local disk, then boto3"] == ("2.00", "8.00", "1.50", "4.00")
+    assert rows["raw boto3 on our files (transfer only)"] == ("0.80", "1.00", "0.60", "1.00")
