@@ -341,3 +341,22 @@ def test_partial_objects_on_load_are_named_never_wrong_tensors(
     assert isinstance(err, (TransferError, CorruptCheckpointError)), repr(err)
     assert ".distcp" in str(err) and "partial/" in str(err), str(err)
     assert fault_proxy.injected["cut"] >= 2
+
+
+def test_a_new_volumes_client_reads_no_service_model_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every save with a new UCVolumeWriter makes a new S3Volume and so a new client: botocore's JSON
+    # service models must be decoded once per process, not once per client (~0.1 s of CPU each).
+    import botocore.loaders
+
+    S3Volume("s3://bucket-a/x", endpoint_url="http://127.0.0.1:9").client  # noqa: B018 - builds it
+    reads: list[str] = []
+    original = botocore.loaders.JSONFileLoader.load_file
+
+    def counting(self, file_path, *args, **kwargs):
+        reads.append(str(file_path))
+        return original(self, file_path, *args, **kwargs)
+
+    monkeypatch.setattr(botocore.loaders.JSONFileLoader, "load_file", counting)
+    client = S3Volume("s3://bucket-b/y", endpoint_url="http://127.0.0.1:9", max_attempts=3).client
+    assert client.meta.config.retries["total_max_attempts"] == 3  # its own settings, not a shared client
+    assert reads == []

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -93,6 +94,17 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     if not bucket:
         raise VolumeError(f"S3 URL {url!r} names no bucket")
     return check_bucket_name(bucket, url), canonical_key_path(prefix, url).lstrip("/")
+
+
+@functools.cache
+def _model_loader(data_path: str | None) -> Any:
+    """This process's botocore data loader (service models, endpoint rules), shared by every
+    client :class:`S3Volume` makes. botocore caches what a loader has read, per loader; the models
+    never change while a process runs, so one loader per process reads each file once. A forked
+    child inherits the cache, which stays valid (it holds no connections)."""
+    from botocore.loaders import create_loader
+
+    return create_loader(data_path)
 
 
 class S3Volume(Volume):
@@ -259,6 +271,7 @@ class S3Volume(Volume):
         if self.client_factory is not None:
             return self.client_factory()
         import boto3
+        import botocore.session
         from botocore.config import Config
 
         s3_options = {"addressing_style": self.addressing_style} if self.addressing_style else None
@@ -275,7 +288,13 @@ class S3Volume(Volume):
             max_pool_connections=max(10, 2 * self.max_concurrency + 4),
             s3=s3_options,
         )
-        session = boto3.session.Session()
+        # A session per client (sessions are not safe to share between threads), all reading
+        # botocore's service models through one loader per process: decoding those JSON files is
+        # most of a client's construction (~0.1 s of CPU), which every save of a new writer paid.
+        botocore_session = botocore.session.get_session()
+        data_path = botocore_session.get_config_variable("data_path")  # AWS_DATA_PATH still applies
+        botocore_session.register_component("data_loader", _model_loader(data_path))
+        session = boto3.session.Session(botocore_session=botocore_session)
         return session.client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name, config=config)
 
     @property
