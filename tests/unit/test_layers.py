@@ -179,3 +179,16 @@ def test_the_compat_module_resolves_every_name_under_this_torch() -> None:
     assert not missing, missing
     assert dcp_compat.dcp_saver_file().endswith("state_dict_saver.py")
     assert dcp_compat.dcp_async_thread_file().endswith("_async_thread_executor.py")
+
+
+def test_names_that_moved_out_of_a_module_are_still_found_at_its_old_path() -> None:
+    # layout's DCP helpers live in dcp/metadata_io now (format/ is torch-free); found lazily.
+    import uc_checkpoint.integrity
+    import uc_checkpoint.layout
+    from uc_checkpoint.dcp import metadata_io
+
+    for name in ("manifest_of", "referenced_files", "data_file_names"):
+        assert getattr(uc_checkpoint.layout, name) is getattr(metadata_io, name)
+    assert uc_checkpoint.integrity.hex_to_base64("00000000") == "AAAAAA=="
+    with pytest.raises(AttributeError):
+        uc_checkpoint.layout.no_such_name  # noqa: B018

@@ -110,3 +110,16 @@ def manifest_records(manifest: Mapping[str, Any] | None) -> dict[str, FileRecord
             (:func:`uc_checkpoint.format.manifest.entries_of`).
     """
     return {name: entry.to_record() for name, entry in entries_of(manifest).items()}
+
+
+# Names this module had before the DCP helpers moved to uc_checkpoint.dcp.metadata_io: still found
+# here, for one release, without this torch-free module importing DCP unless one is asked for.
+_MOVED_TO_METADATA_IO = ("manifest_of", "referenced_files", "data_file_names")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_METADATA_IO:
+        import importlib
+
+        return getattr(importlib.import_module("uc_checkpoint.dcp.metadata_io"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -156,8 +156,10 @@ class CheckpointManager:
         if list_attempts < 1:
             raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
         #: Settings of each save's writer and each load's reader (they read as dicts too).
-        self.writer_options = WriterOptions.coerce(writer_options)
-        self.reader_options = ReaderOptions.coerce(reader_options)
+        # Checked once here; kept as plain dicts, as before, so code that adjusts them between
+        # saves keeps working.
+        self.writer_options: dict[str, Any] = dict(WriterOptions.coerce(writer_options))
+        self.reader_options: dict[str, Any] = dict(ReaderOptions.coerce(reader_options))
         self.root = open_volume(root, **(volume_options or {}))
         self.keep_last = keep_last
         self.keep_every = keep_every
