@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from uc_checkpoint.data.intervals import Interval, ShardSpec, dataset_fingerprint, total_size
+from uc_checkpoint.data.intervals import Interval, ShardSpec, check_int, dataset_fingerprint, total_size
 from uc_checkpoint.errors import TrackerStateError
 
 #: Version of the dict :meth:`TrackerState.to_dict` writes (and ``DataTracker.global_state`` returns).
@@ -40,11 +40,10 @@ def state_int(value: Any, field: str, *, minimum: int | None = None) -> int:
     ``minimum``, else :class:`TrackerStateError` naming ``field``. (Arguments of the API go through
     :func:`~uc_checkpoint.data.intervals.check_int`, whose TypeError/ValueError suit a caller's
     mistake; a state is data.)"""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TrackerStateError(f"data tracker state: {field} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise TrackerStateError(f"data tracker state: {field} must be >= {minimum}, got {value}")
-    return value
+    try:
+        return check_int(value, field, minimum=minimum)
+    except (TypeError, ValueError) as exc:
+        raise TrackerStateError(f"data tracker state: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
-from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
 from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops.lineage import abandonment_of
-from uc_checkpoint.volumes import Volume
+from uc_checkpoint.volumes import Volume, open_volume
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -106,6 +106,24 @@ def checkpoint_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:08d}"
+
+
+def open_root(root: str | Volume, *, what: str = "checkpoint root", missing: str = "does not exist") -> Volume:
+    """The volume of a root that must already exist (``ls``, ``gc``): ``root`` itself or
+    :func:`~uc_checkpoint.volumes.open_volume` of it.
+
+    Raises:
+        VolumeError: it is a file ("<what> <url> is not a directory") or, on stores with
+            directories, missing ("<what> <url> <missing>").
+    """
+    volume = root if isinstance(root, Volume) else open_volume(root)
+    try:
+        present = volume.exists()  # False only on stores with directories; a file raises
+    except VolumeError as exc:
+        raise VolumeError(f"{what} {volume.url} is not a directory") from exc
+    if not present:
+        raise VolumeError(f"{what} {volume.url} {missing}")
+    return volume
 
 
 def list_steps(root: Volume, *, published: bool = True) -> list[CheckpointInfo]:
@@ -345,6 +363,7 @@ __all__ = [
     "is_published",
     "latest",
     "latest_checkpoint",
+    "open_root",
     "list_checkpoints",
     "list_steps",
     "missing_or_short",

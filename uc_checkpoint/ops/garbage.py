@@ -21,10 +21,10 @@ from pathlib import Path
 
 from uc_checkpoint.dcp.metadata_io import data_file_names, read_metadata
 from uc_checkpoint.engine.staging_dir import default_staging_root
-from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
+from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file
-from uc_checkpoint.ops.catalog import list_steps
-from uc_checkpoint.volumes import Volume, open_volume
+from uc_checkpoint.ops.catalog import list_steps, open_root
+from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +154,7 @@ def collect_garbage(
     """
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
-    volume = root if isinstance(root, Volume) else open_volume(root)
-    try:
-        present = volume.exists()  # False only on stores with directories; a file raises
-    except VolumeError as exc:
-        raise VolumeError(f"gc root {volume.url} is not a directory") from exc
-    if not present:
-        raise VolumeError(f"gc root {volume.url} is not a directory (it does not exist)")
+    volume = open_root(root, what="gc root", missing="is not a directory (it does not exist)")
     cutoff = time.time() - grace_s
     report = GCReport(dry_run=dry_run)
     root_files = volume.list_files()

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
 from uc_checkpoint.dcp.reader import UCVolumeReader
-from uc_checkpoint.errors import VolumeError, one_line
+from uc_checkpoint.errors import one_line
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.ops.catalog import file_problems, missing_or_short
@@ -67,13 +67,7 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
         VolumeError / TransferError: the root, a location or a ``.metadata`` cannot be read (the
             store's client has retried already).
     """
-    volume = root if isinstance(root, Volume) else open_volume(root)
-    try:
-        present = volume.exists()  # False only on stores with directories; a file raises
-    except VolumeError as exc:
-        raise VolumeError(f"checkpoint root {volume.url} is not a directory") from exc
-    if not present:
-        raise VolumeError(f"checkpoint root {volume.url} does not exist")
+    volume = catalog.open_root(root)
     return [
         CheckpointSummary(
             step=info.step,
