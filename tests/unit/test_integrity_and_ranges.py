@@ -134,3 +134,43 @@ def test_byte_budget_admits_one_oversized_request_alone() -> None:
     assert not budget.try_take(1)
     budget.give(500)
     assert budget.try_take(60) and not budget.try_take(50) and budget.try_take(40)
+
+
+def test_crc32_combine_is_the_crc_of_the_concatenation() -> None:
+    import os
+    import random
+    import zlib
+
+    from uc_checkpoint.format.integrity import crc32_combine
+
+    rng = random.Random(7)
+    for _ in range(200):
+        a, b = os.urandom(rng.randint(0, 3000)), os.urandom(rng.randint(0, 3000))
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("part_size", [None, 3, 64, 100, 5000])
+@pytest.mark.parametrize("block_size", [1, 7, 64, 4096])
+def test_one_pass_digest_equals_separate_crcs(block_size: int, part_size: int | None) -> None:
+    # Whole, block and part CRC-32s come from one zlib pass over each span plus crc32_combine; they
+    # must equal CRCs computed separately, whatever the chunks the bytes arrive in.
+    import os
+    import random
+    import struct
+    import zlib
+
+    rng = random.Random(block_size * 31 + (part_size or 0))
+    for size in (0, 1, block_size, 3 * block_size + 5, rng.randint(0, 20000)):
+        data = os.urandom(size)
+        digest = Digest(block_size, part_size)
+        pos = 0
+        while pos < size:
+            step = rng.randint(1, 3000)
+            digest.update(data[pos : pos + step])
+            pos += step
+        record = digest.record("f")
+        assert record.crc32 == f"{zlib.crc32(data):08x}"
+        blocks = struct.unpack(f">{len(record.block_crc32) // 4}I", record.block_crc32)
+        assert list(blocks) == [zlib.crc32(data[i : i + block_size]) for i in range(0, size, block_size)]
+        if part_size:
+            assert digest.part_crc32 == [zlib.crc32(data[i : i + part_size]) for i in range(0, size, part_size)]

@@ -13,12 +13,16 @@ Every data file gets, in one pass over its bytes:
   (CRC-32 of the concatenated big-endian part CRCs, base64, see the S3 user guide "Checking object
   integrity") is derived to compare with what the store reports.
 
-``zlib.crc32`` releases the GIL on large buffers, so worker threads checksum in parallel.
+Only the bytes between consecutive block or part boundaries are run through ``zlib.crc32``, once;
+the block, part and whole-file CRC-32s are composed from those with :func:`crc32_combine` (zlib's
+``crc32_combine``, which Python's zlib does not expose), so a file is checksummed in one pass, not
+one per kind. ``zlib.crc32`` releases the GIL on large buffers, so worker threads checksum in parallel.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 import zlib
 from collections.abc import Iterable
@@ -56,6 +60,62 @@ class FileRecord:
     block_crc32: bytes = b""
 
 
+# ---- crc32_combine: the CRC-32 of A+B from crc(A), crc(B) and len(B) -----------------------------
+# CRC-32 is linear over GF(2): appending n zero bytes to A maps crc(A) through a fixed 32x32 bit
+# matrix, so crc(A+B) = M(len B) . crc(A) xor crc(B). The construction is zlib's (crc32.c,
+# gf2_matrix_times / gf2_matrix_square); matrices are lists of 32 column bitmasks.
+_CRC32_POLY = 0xEDB88320  # reflected
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _gf2_product(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_times(a, column) for column in b)
+
+
+@functools.cache
+def _zeros_power(k: int) -> tuple[int, ...]:
+    """The operator that appends 2**k zero bytes."""
+    if k == 0:
+        one_bit = (_CRC32_POLY, *(1 << n for n in range(31)))
+        op = one_bit
+        for _ in range(3):  # 2, 4, then 8 zero bits: one zero byte
+            op = _gf2_product(op, op)
+        return op
+    half = _zeros_power(k - 1)
+    return _gf2_product(half, half)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(length: int) -> tuple[int, ...]:
+    """The operator that appends ``length`` zero bytes (``length`` > 0)."""
+    op: tuple[int, ...] | None = None
+    k = 0
+    while length:
+        if length & 1:
+            op = _zeros_power(k) if op is None else _gf2_product(_zeros_power(k), op)
+        length >>= 1
+        k += 1
+    assert op is not None
+    return op
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` given ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``
+    in bytes (zlib's ``crc32_combine``). Costs microseconds once an operator for ``len2`` is cached."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
+
 class Digest:
     """Running checksums of one byte stream: whole, per block and (optionally) per part.
 
@@ -73,38 +133,52 @@ class Digest:
         self._part_size = part_size
         self._part_crc = 0
         self.part_crc32: list[int] = []
+        # The span since the last block or part boundary: the only bytes zlib sees, once each.
+        self._span_crc = 0
+        self._span_len = 0
         self._closed = False
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        self._crc = zlib.crc32(view, self._crc)
         pos = 0
         n = len(view)
         while pos < n:
-            # Split at the next block or part boundary so each running CRC covers exactly its span.
+            # Split at the next block or part boundary so each span lies inside one block and part.
             step = n - pos
             in_block = self.size % self._block_size
             step = min(step, self._block_size - in_block)
             if self._part_size:
                 step = min(step, self._part_size - self.size % self._part_size)
-            piece = view[pos : pos + step]
-            self._block_crc = zlib.crc32(piece, self._block_crc)
-            if self._part_size:
-                self._part_crc = zlib.crc32(piece, self._part_crc)
+            self._span_crc = zlib.crc32(view[pos : pos + step], self._span_crc)
+            self._span_len += step
             self.size += step
             pos += step
-            if self.size % self._block_size == 0:
-                self._blocks.append(self._block_crc)
-                self._block_crc = 0
-            if self._part_size and self.size % self._part_size == 0:
-                self.part_crc32.append(self._part_crc)
-                self._part_crc = 0
+            at_block = self.size % self._block_size == 0
+            at_part = self._part_size is not None and self.size % self._part_size == 0
+            if at_block or at_part:
+                self._end_span(at_block, at_part)
+
+    def _end_span(self, at_block: bool, at_part: bool) -> None:
+        crc, length = self._span_crc, self._span_len
+        self._span_crc = self._span_len = 0
+        self._crc = crc32_combine(self._crc, crc, length)
+        self._block_crc = crc32_combine(self._block_crc, crc, length)
+        if self._part_size:
+            self._part_crc = crc32_combine(self._part_crc, crc, length)
+        if at_block:
+            self._blocks.append(self._block_crc)
+            self._block_crc = 0
+        if at_part:
+            self.part_crc32.append(self._part_crc)
+            self._part_crc = 0
 
     def close(self) -> None:
         """Account for the trailing partial block and part; no more updates after this."""
         if self._closed:
             return
         self._closed = True
+        if self._span_len:
+            self._end_span(False, False)
         if self.size % self._block_size:
             self._blocks.append(self._block_crc)
             self._block_crc = 0
