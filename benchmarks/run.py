@@ -54,6 +54,19 @@ KINDS = ("gpt", "small")
 CASES = ("uc-s3", "uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs", "fs-local", "fsspec-s3", "s3tc", "boto3")
 
 
+def case_env(endpoint_url: str, staging: Path) -> dict[str, str]:
+    """The environment every case process runs in: this checkout, the S3 server, one thread per
+    op (the cases share the machine's cores), a staging directory of the run's own."""
+    return {
+        **os.environ,
+        "AWS_ENDPOINT_URL": endpoint_url,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "UC_CHECKPOINT_STAGING_DIR": str(staging),
+        "PYTHONWARNINGS": "ignore",
+    }
+
+
 def _importable(module: str) -> bool:
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, timeout=120)
     return proc.returncode == 0
@@ -224,14 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             d.mkdir(parents=True, exist_ok=True)
         dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
         dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
-        env = {
-            **os.environ,
-            "AWS_ENDPOINT_URL": url,
-            "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1",
-            "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]),
-            "PYTHONWARNINGS": "ignore",
-        }
+        env = case_env(url, dirs["staging"])
         for repeat in range(args.repeats):
             for kind, size_mb in sets:
                 for ranks in args.ranks:

@@ -17,7 +17,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, REPO, run_case
+from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, case_env, run_case
 
 QUICK = bool(os.environ.get("UC_BENCH_QUICK"))
 MB = 8 if QUICK else int(os.environ.get("UC_BENCH_MB", "64"))
@@ -57,14 +57,7 @@ def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, 
         if no_fuse is None:
             dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
             dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
-        env = {
-            **os.environ,
-            "AWS_ENDPOINT_URL": url,
-            "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1",
-            "UC_CHECKPOINT_STAGING_DIR": str(dirs["staging"]),
-            "PYTHONWARNINGS": "ignore",
-        }
+        env = case_env(url, dirs["staging"])
         yield dirs, env, no_fuse
 
 

@@ -482,7 +482,7 @@ class CheckpointManager:
         location, never a published one with missing files. Call on one rank only (the manager
         calls it on rank 0 after each publish).
         """
-        return self._prune(self._list_local(), protect)
+        return self._prune(self._list_steps(), protect)
 
     def _prune(self, infos: builtins.list[CheckpointInfo], protect: set[int] | frozenset[int]) -> builtins.list[int]:
         """Retention over ``infos`` (a listing, ``published`` looked up or not): whether a location
