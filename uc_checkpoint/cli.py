@@ -190,9 +190,15 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"{verb} staging dir {path}")
     for url in report.spared_locations:
         print(f"spared {url} (recent files or unreadable .metadata)")
+    # A dry run lists no multipart uploads (they are found and aborted in one call), so it says so.
+    uploads = (
+        "incomplete multipart uploads are left for a run without --dry-run"
+        if args.dry_run
+        else f"aborted {report.aborted_uploads} multipart uploads"
+    )
     print(
         f"{verb} {len(report.deleted_files)} files ({report.deleted_bytes} bytes), "
-        f"{len(report.removed_staging_dirs)} staging dirs; aborted {report.aborted_uploads} multipart uploads"
+        f"{len(report.removed_staging_dirs)} staging dirs; {uploads}"
     )
     return 0
 

@@ -147,3 +147,13 @@ def test_gc_on_a_single_location_and_bad_roots(tmp_path: Path, staging: Path) ->
         collect_garbage(tmp_path / "no-such-root", grace_s=0)
     assert cli_main(["gc", str(tmp_path / "no-such-root"), "--grace-s", "0"]) == 2
     assert cli_main(["gc", str(loc), "--grace-s", "-5"]) == 2
+
+
+def test_a_dry_run_does_not_claim_to_have_aborted_uploads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    (root / "step_00000001").mkdir(parents=True)
+    assert cli_main(["gc", "--dry-run", "--grace-s", "0", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "aborted" not in out and "left for a run without --dry-run" in out
+    assert cli_main(["gc", "--grace-s", "0", str(root)]) == 0
+    assert "aborted 0 multipart uploads" in capsys.readouterr().out
