@@ -178,3 +178,36 @@ def test_a_damaged_small_tensor_in_a_stock_checkpoint_is_named(
     error = rank_error(info.value)
     assert isinstance(error, CorruptCheckpointError), error
     assert data_file.name in str(error) and "model.w7" in str(error) and "crc32" in str(error)
+
+
+def test_large_items_skip_the_zip_crc_and_damage_is_still_caught(tmp_path: Path, staging: Path) -> None:
+    """Tensors above the template size are written by torch's own zip writer without its per-record
+    CRC-32 (torch.load never checks it); they load with stock DCP, and a flipped byte in one is
+    caught by the manifest's block CRC-32s instead."""
+    import zipfile
+
+    big = torch.randn(MAX_FAST_BYTES // 4 * 3)
+    buf = io.BytesIO()
+    ItemCodec().write(big, buf)
+    reference = io.BytesIO()
+    torch.save(big, reference)
+    assert len(buf.getvalue()) == len(reference.getvalue())  # the same archive but for the CRC fields
+    assert {info.CRC for info in zipfile.ZipFile(io.BytesIO(buf.getvalue())).infolist()} == {0}
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), big)
+
+    sd = {"big": big, "small": torch.randn(8)}
+    where = tmp_path / "ckpt"
+    dcp.save(sd, storage_writer=UCVolumeWriter(where))
+    out = {"big": torch.zeros_like(big), "small": torch.zeros(8)}
+    dcp.load(out, storage_reader=FileSystemReader(where))
+    assert torch.equal(out["big"], big) and torch.equal(out["small"], sd["small"])
+
+    data_file = next(where.glob("*.distcp"))
+    raw = bytearray(data_file.read_bytes())
+    raw[raw.index(_bits(big)[:64]) + 4096] ^= 0x01
+    data_file.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"big": torch.zeros_like(big)}, storage_reader=UCVolumeReader(where))
+    error = rank_error(info.value)
+    assert isinstance(error, CorruptCheckpointError), error
+    assert data_file.name in str(error)

@@ -14,6 +14,8 @@ these names are the ones DCP's own ``FileSystemWriter``/``FileSystemReader`` hav
 
 from __future__ import annotations
 
+import functools
+import io
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +84,48 @@ def dtensor_like(local: torch.Tensor, template: Any) -> Any:
     return DTensor(local, template._spec, requires_grad=False)
 
 
+@functools.cache  # a property of the installed torch, probed once per process
+def _zip_writer_without_crc() -> Callable[[Any], Any] | None:
+    """A factory of torch's zip writer (``torch._C.PyTorchFileWriter(buffer, compute_crc32,
+    storage_alignment)``, torch 2.6+) that skips the CRC-32 of each record, or None when this
+    torch's writer takes other arguments."""
+    import torch.serialization as ser
+
+    writer = getattr(torch._C, "PyTorchFileWriter", None)
+    alignment = getattr(ser, "_get_storage_alignment", None)
+    if writer is None or alignment is None or not callable(getattr(ser, "_save", None)):
+        return None
+    try:  # probe the signature once: a torch that changed it must not break every save
+        probe = io.BytesIO()
+        writer(probe, False, alignment()).write_end_of_file()
+    except (TypeError, RuntimeError):
+        return None
+    return lambda buffer: writer(buffer, False, alignment())
+
+
+def save_without_zip_crc(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` without the zip format's CRC-32 of each record, as torch does with
+    ``torch.utils.serialization.config.save.compute_crc32 = False`` (2.6+) but without changing that
+    process-wide setting under other threads.
+
+    Why: miniz's CRC-32 over every tensor byte was ~15% of a save's client CPU, and nothing uses it:
+    ``torch.load`` does not check it (torch builds miniz with its CRC checks off) and our manifest
+    keeps a CRC-32 of every block of every data file, checked on load. Falls back to ``torch.save``
+    on a torch whose private writer has another signature.
+    """
+    make = _zip_writer_without_crc()
+    if make is None:
+        torch.save(obj, stream)
+        return
+    import pickle
+
+    import torch.serialization as ser
+
+    zip_file = make(stream)
+    ser._save(obj, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
+    zip_file.write_end_of_file()
+
+
 def register_before_thread_pools_shut(callback: Callable[[], None]) -> bool:
     """Run ``callback`` at interpreter exit before ``concurrent.futures`` refuses new work (Python's
     private ``threading._register_atexit``, 3.9+; callbacks run newest first, so one registered
@@ -111,4 +155,5 @@ __all__ = [
     "dtensor_local",
     "narrow_tensor_by_index",
     "register_before_thread_pools_shut",
+    "save_without_zip_crc",
 ]
