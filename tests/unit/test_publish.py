@@ -118,7 +118,9 @@ def test_a_published_checkpoint_is_kept_without_overwrite_and_digested_with_it(v
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_stale_uploads_are_aborted_all_or_only_old_ones(kind: str, tmp_path: Path, memory_root: str) -> None:
+def test_stale_uploads_are_looked_for_only_where_a_save_left_its_marker(
+    kind: str, tmp_path: Path, memory_root: str
+) -> None:
     asked: list[float | None] = []
 
     class RecordsAborts:
@@ -128,9 +130,10 @@ def test_stale_uploads_are_aborted_all_or_only_old_ones(kind: str, tmp_path: Pat
 
     volume = make_volume(kind, tmp_path, memory_root, RecordsAborts)
     begin(volume, SaveMarker(None, "0123abcd"))
-    assert asked == [None]  # no other save here: every unfinished upload is a leftover
+    # No marker: no save was killed or failed here (each leaves its marker), so no request is sent.
+    assert asked == []
     begin(volume, SaveMarker(None, "4567cdef"))
-    assert asked == [None, publish.LIVE_UPLOAD_S]  # another save's marker: its uploads may be live
+    assert asked == [publish.LIVE_UPLOAD_S]  # another save's marker: its uploads may be live, old ones go
 
 
 # ---- after the uploads ---------------------------------------------------------------------------
@@ -215,9 +218,10 @@ def test_a_lost_publish_is_detected(kind: str, before: bytes | None, tmp_path: P
     class LosesMetadata:
         """Answers as if ``.metadata`` had been written, and keeps what was there."""
 
-        def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
             if name != ".metadata":
-                super().publish_bytes(name, data, overwrite=overwrite)  # type: ignore[misc]
+                return super().publish_bytes(name, data, overwrite=overwrite)  # type: ignore[misc]
+            return False
 
     volume = make_volume(kind, tmp_path, memory_root, LosesMetadata)
     volume.prepare_for_write()

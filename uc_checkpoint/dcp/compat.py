@@ -14,6 +14,7 @@ these names are the ones DCP's own ``FileSystemWriter``/``FileSystemReader`` hav
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import threading
@@ -122,7 +123,14 @@ def save_without_zip_crc(obj: Any, stream: Any) -> None:
     import torch.serialization as ser
 
     zip_file = make(stream)
-    ser._save(obj, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
+    try:
+        ser._save(obj, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # As torch.save's context manager: the writer must be finalised here, or its destructor
+        # finalises it, and a failing write there (a full disk) aborts the process.
+        with contextlib.suppress(Exception):
+            zip_file.write_end_of_file()
+        raise
     zip_file.write_end_of_file()
 
 

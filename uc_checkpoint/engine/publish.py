@@ -126,12 +126,14 @@ def begin_save(
         logger.info("replacing the checkpoint published at %s", volume.url)
         published = digest(volume.read_bytes(metadata_name))
     # Uploads a killed save left behind (S3 multipart uploads) cost storage and are never
-    # completed; no rank of this save has started uploading yet. While another save's marker is
-    # there, its uploads may be live: only old ones go (gc takes the rest).
-    other_saves = any(SaveMarker.parse(name) for name in files)
-    aborted = volume.abort_incomplete_uploads(older_than_s=LIVE_UPLOAD_S if other_saves else None)
-    if aborted:
-        logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
+    # completed. A save writes its marker before its first upload and deletes it only after
+    # publishing, so a killed save's uploads come with its marker: without one in the listing there
+    # is nothing to look for (and no request to send). While another save's marker is there, its
+    # uploads may be live: only old ones go (gc takes the rest).
+    if any(SaveMarker.parse(name) for name in files):
+        aborted = volume.abort_incomplete_uploads(older_than_s=LIVE_UPLOAD_S)
+        if aborted:
+            logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
     marker.write(volume, save_id)
     return published
 
@@ -214,7 +216,9 @@ def read_published(
 
 
 def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool, read_manifest: ManifestReader) -> None:
-    """Publish ``blob`` as ``name`` in one atomic write, then read it back.
+    """Publish ``blob`` as ``name`` in one atomic write, then read it back unless the store's answer
+    to the write already proved the bytes (an object store's checksum, see
+    :meth:`Volume.publish_bytes`).
 
     The read-back compares content, not size: some mounts report a rename or a write as done and
     lose it, and the replaced ``.metadata`` may have exactly the new one's size. Deleting the old
@@ -225,7 +229,8 @@ def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool,
         CheckpointExistsError: ``overwrite=False`` and ``name`` exists (from the volume).
         TransferError: the write failed, or reading it back gives other bytes or none.
     """
-    volume.publish_bytes(name, blob, overwrite=overwrite)
+    if volume.publish_bytes(name, blob, overwrite=overwrite):
+        return
     landed = volume.read_bytes(name)
     if landed != blob:
         found = (

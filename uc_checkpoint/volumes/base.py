@@ -315,12 +315,17 @@ class Volume(ABC):
         """The whole content of a small file, or ``None`` if it does not exist."""
 
     @abstractmethod
-    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         """Write a small file so that readers see either the old content or all of the new one.
 
         Where the store has an atomic primitive it is used (a temp file, fsync and rename on a local
         disk; one PUT on an object store); where it has none (FUSE mounts that refuse rename) the
         final file is written once. With ``overwrite=False`` an existing file is not replaced.
+
+        Returns:
+            True when the store's answer to the write itself proves it stored exactly ``data`` (an
+            object store reporting the checksum of what it stored); False when only reading the file
+            back can tell (a mount may report a write or rename as done and lose it).
 
         Raises:
             CheckpointExistsError: ``overwrite=False`` and ``name`` exists.

@@ -227,7 +227,7 @@ class FsspecVolume(Volume):
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"reading {self.url_of(name)} failed: {exc}") from exc
 
-    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         where = self.url_of(name)
         try:
             if overwrite:
@@ -244,6 +244,7 @@ class FsspecVolume(Volume):
         landed = self.size(name)
         if landed != len(data):
             raise TransferError(f"publishing {where}: {landed} bytes on the volume, expected {len(data)}")
+        return False  # a size is not the content: a caching layer may keep the old object's bytes
 
     def remove_if_empty(self) -> None:
         try:

@@ -244,7 +244,7 @@ class LocalVolume(Volume):
         except OSError as exc:
             raise TransferError(f"reading {self._path(name)} failed: {exc}") from exc
 
-    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         """Write the small file ``name`` (``.metadata``, the ``latest`` pointer, a save marker)
         so that readers see the old content or all of the new, where the mount allows it.
 
@@ -306,6 +306,7 @@ class LocalVolume(Volume):
         _fsync_dir(self.root)
         if self.size(name) != len(data):
             raise TransferError(f"publishing {dest}: size on the volume differs from {len(data)} bytes")
+        return False  # a mount may report a rename as done and lose it: only a read-back tells
 
     def _write_in_place(self, dest: Path, data: bytes, overwrite: bool) -> None:
         """Steps 2 and 3 of :meth:`publish_bytes` (rename is refused)."""

@@ -205,7 +205,7 @@ class MemoryVolume(Volume):
     def read_bytes(self, name: str) -> bytes | None:
         return self._get(name)
 
-    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         """Store ``data`` as ``name`` in one step (readers see the old or the new bytes, whole).
 
         Raises:
@@ -219,6 +219,7 @@ class MemoryVolume(Volume):
             raise CheckpointExistsError(f"{where} already exists and overwrite=False") from exc
         except OSError as exc:
             raise TransferError(f"publishing {where} failed: {exc}") from exc
+        return False  # this process's memory, but the contract's read-back costs nothing here
 
     def delete(self, name: str) -> None:
         key = self._key(name)

@@ -341,15 +341,9 @@ class S3Volume(Volume):
 
     # ---- checks -------------------------------------------------------------------------------
     def prepare_for_write(self, create_parents: bool = True) -> None:
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-        except Exception as exc:  # noqa: BLE001 - mapped to a message that names the bucket
-            status, code = _error_info(exc)
-            if status == 404 or code in ("NoSuchBucket", "404"):
-                raise VolumeError(f"cannot write {self.url}: bucket {self.bucket!r} does not exist") from exc
-            if status == 403:
-                raise VolumeError(f"cannot write {self.url}: access to bucket {self.bucket!r} denied") from exc
-            raise VolumeError(f"cannot reach bucket {self.bucket!r} for {self.url}: {exc}") from exc
+        """Nothing to prepare and no request: S3 has no directories, and a save lists its location
+        right after this (``ListObjectsV2`` needs the same ``s3:ListBucket`` permission as
+        ``HeadBucket``), which reports a missing or forbidden bucket by name (:meth:`_scan`)."""
 
     def _scan(self) -> list[Entry]:
         """``ListObjectsV2`` with delimiter ``/``, every page: objects with their size and
@@ -369,8 +363,10 @@ class S3Volume(Volume):
                     out.append(Entry(sub["Prefix"][len(prefix) :], -1))
         except Exception as exc:  # noqa: BLE001
             status, code = _error_info(exc)
-            if code == "NoSuchBucket":
+            if code == "NoSuchBucket" or (status == 404 and code in ("404", "NotFound")):
                 raise VolumeError(f"cannot list {self.url}: bucket {self.bucket!r} does not exist") from exc
+            if status == 403:
+                raise VolumeError(f"cannot list {self.url}: access to bucket {self.bucket!r} denied: {exc}") from exc
             raise TransferError(f"listing {self.url} failed: {exc}") from exc
         return out
 
@@ -520,7 +516,7 @@ class S3Volume(Volume):
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         where = self.url_of(name)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
         if self._send_checksums():
@@ -542,6 +538,9 @@ class S3Volume(Volume):
         reported = response.get("ChecksumCRC32")
         if reported and reported != crc32_base64(zlib.crc32(data)):
             raise TransferError(f"{where} was stored with CRC-32 {reported}, which does not match the bytes sent")
+        # S3 is read-after-write consistent: a 200 carrying the CRC-32 of these bytes is the store's
+        # own word that they are what a GET now returns, so the publish needs no read-back.
+        return bool(reported)
 
     def delete(self, name: str) -> None:
         try:
