@@ -11,6 +11,7 @@ import http.client
 import io
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from botocore.exceptions import (
 from tests.support.s3_fixtures import (
     FaultProxy,
     _empty_and_delete_bucket,
+    key_prefix,
     s3_client,
     use_trailing_checksums,
 )
@@ -156,6 +158,54 @@ def test_fail_all_exhausts_attempts(
     fault_proxy.fail_all = False
     client.put_object(Bucket=s3_bucket, Key="k", Body=b"data")
     assert _stored(s3_server, s3_bucket, "k") == b"data"
+
+
+def test_key_prefix_names_the_partition_a_request_is_charged_to() -> None:
+    assert key_prefix("/b/ckpt/step_1/__0_t_0.distcp") == "b/ckpt/step_1"
+    assert key_prefix("/b/ckpt/step_1/3a/__0_t_0.distcp?partNumber=2&uploadId=x") == "b/ckpt/step_1/3a"
+    assert key_prefix("/b/multi%20rank/0/f.distcp") == "b/multi rank/0"  # keys are percent-encoded
+    assert key_prefix("/b?list-type=2&prefix=ckpt%2Fstep_1%2F&delimiter=%2F") == "b/ckpt/step_1"
+    assert key_prefix("/b/top") == "b/"
+    assert key_prefix("/b/ckpt/step_1/3a/f", 2) == "b/ckpt/step_1"
+    assert key_prefix("/b/ckpt/step_1/3a/f", lambda key: key[:4]) == "b/ckpt"
+
+
+def test_prefix_rate_limit_throttles_each_prefix_on_its_own(fault_proxy: FaultProxy, s3_bucket: str) -> None:
+    # 5 requests per 30 s window: the window never slides during the test, so the counts are exact.
+    fault_proxy.prefix_rate_limit = (None, 5 / 30)
+    fault_proxy.prefix_window_s = 30.0
+    client = s3_client(fault_proxy.url, retries={"mode": "standard", "total_max_attempts": 1})
+    codes = []
+    for i in range(8):
+        try:
+            client.put_object(Bucket=s3_bucket, Key=f"hot/k{i}", Body=b"x")
+            codes.append(200)
+        except ClientError as exc:
+            assert exc.response["Error"]["Code"] == "SlowDown"
+            codes.append(exc.response["ResponseMetadata"]["HTTPStatusCode"])
+    assert codes == [200] * 5 + [503] * 3
+    # Another prefix has its own budget; a listing of the hot one is charged to it.
+    for i in range(5):
+        client.put_object(Bucket=s3_bucket, Key=f"cool/k{i}", Body=b"x")
+    with pytest.raises(ClientError) as info:
+        client.list_objects_v2(Bucket=s3_bucket, Prefix="hot/", Delimiter="/")
+    assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+    hot, cool = f"{s3_bucket}/hot", f"{s3_bucket}/cool"
+    assert fault_proxy.prefix_throttled == {hot: 4}
+    assert fault_proxy.prefix_requests == {hot: 9, cool: 5}
+    assert fault_proxy.injected == {"throttle": 4}
+
+
+def test_prefix_rate_limit_window_slides(fault_proxy: FaultProxy, s3_bucket: str) -> None:
+    fault_proxy.prefix_rate_limit = (None, 2.0)  # 2 requests per 1 s window
+    client = s3_client(fault_proxy.url, retries={"mode": "standard", "total_max_attempts": 1})
+    client.put_object(Bucket=s3_bucket, Key="p/a", Body=b"x")
+    client.put_object(Bucket=s3_bucket, Key="p/b", Body=b"x")
+    with pytest.raises(ClientError):
+        client.put_object(Bucket=s3_bucket, Key="p/c", Body=b"x")
+    time.sleep(1.05)  # the window has moved past both requests
+    client.put_object(Bucket=s3_bucket, Key="p/c", Body=b"x")
+    assert fault_proxy.prefix_throttled == {f"{s3_bucket}/p": 1}
 
 
 def test_error_is_internal_error(fault_proxy: FaultProxy, s3_bucket: str) -> None:

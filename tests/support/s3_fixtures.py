@@ -26,13 +26,14 @@ import random
 import select
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import boto3
 import pytest
@@ -51,6 +52,30 @@ REJECTED_HEADER = "rejected-header"  # 400 InvalidArgument: "Unsupported header"
 REJECTED_CONDITION = "rejected-condition"  # 501 NotImplemented for If-None-Match
 
 REGION = "us-east-1"
+
+#: How ``FaultProxy(prefix_rate_limit=(how, rate))`` names a request's key prefix: None for the
+#: key's parent ("a/b" for the key "a/b/c"), an int for the key's first that many "/"-separated
+#: segments, or a function of the key.
+PrefixOf = int | Callable[[str], str] | None
+
+
+def key_prefix(target: str, how: PrefixOf = None) -> str:
+    """``"<bucket>/<prefix>"`` of a request target (``"/bucket/a/b/c?query"``, path-style), the
+    prefix as ``how`` names it (see :data:`PrefixOf`). A bucket-level request (a listing, the
+    multipart-upload listing) is taken at its ``prefix=`` query parameter, as S3 charges a LIST to
+    the prefix it lists: ``?list-type=2&prefix=a/b/`` counts under ``a/b``."""
+    parts = urlsplit(target)
+    bucket, _, key = unquote(parts.path).lstrip("/").partition("/")
+    if not key:
+        key = parse_qs(parts.query).get("prefix", [""])[0]
+    if how is None:
+        prefix = key.rpartition("/")[0]
+    elif isinstance(how, int):
+        prefix = "/".join(key.split("/")[:how])
+    else:
+        prefix = how(key)
+    return f"{bucket}/{prefix}"
+
 
 # Bytes moved per read/write while relaying bodies; large enough to keep the per-chunk
 # Python overhead small, small enough that big objects are never held whole.
@@ -177,6 +202,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         fault = proxy._decide(method, target)
+        if proxy.latency_s > 0:
+            proxy._stopping.wait(proxy.latency_s)  # the store's time to answer, refusals included
         rejected = proxy._rejected_header(self.headers)
         if rejected is not None:
             fault = REJECTED_HEADER
@@ -464,6 +491,16 @@ class FaultProxy:
       as a slow or hung store would: a client with a shorter read timeout gives up first.
     * ``fail_all``: when true, every eligible request is answered ``503 SlowDown``
       (counted as ``"throttle"``), overriding the rates.
+    * ``latency_s``: seconds every request is held before it is answered or relayed (a store's
+      time to first byte; 0 by default). It caps what one client connection can send: a test can
+      then bound each client's request rate without depending on how fast the machine is.
+    * ``prefix_rate_limit``: ``None``, or ``(how, rate)``: S3's per-partition request limit. Each
+      eligible request is charged to its key prefix (:func:`key_prefix` with ``how``); a request
+      that finds ``rate * prefix_window_s`` requests of its prefix already let through in the last
+      ``prefix_window_s`` seconds (default 1) is answered ``503 SlowDown`` (counted as
+      ``"throttle"``, and per prefix in ``prefix_throttled``); it does not count against the
+      window, so at most ``rate`` requests per second of one prefix reach the server. Checked
+      before the random faults; ``prefix_requests`` counts every eligible request per prefix.
     * ``reject_headers``: header-name prefixes (lower case) that, like several S3-compatible
       stores (Backblaze B2, older MinIO and Ceph releases), the proxy refuses with ``400
       InvalidArgument "Unsupported header '<name>' received for this API call."`` (counted as
@@ -503,6 +540,9 @@ class FaultProxy:
         stall_s: float = 30.0,
         reject_headers: tuple[str, ...] = (),
         conditional_writes: str = "ok",
+        prefix_rate_limit: tuple[PrefixOf, float] | None = None,
+        prefix_window_s: float = 1.0,
+        latency_s: float = 0.0,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -518,6 +558,17 @@ class FaultProxy:
         self.stall_s = stall_s
         self.reject_headers = reject_headers
         self.conditional_writes = conditional_writes
+        if prefix_rate_limit is not None and prefix_rate_limit[1] <= 0:
+            raise ValueError(f"prefix_rate_limit's rate must be > 0 requests/s, got {prefix_rate_limit[1]}")
+        if prefix_window_s <= 0:
+            raise ValueError(f"prefix_window_s must be > 0 seconds, got {prefix_window_s}")
+        self.latency_s = latency_s
+        self.prefix_rate_limit = prefix_rate_limit
+        self.prefix_window_s = prefix_window_s
+        self.prefix_requests: collections.Counter[str] = collections.Counter()
+        self.prefix_throttled: collections.Counter[str] = collections.Counter()
+        # Per prefix: monotonic times of the requests let through within the last window.
+        self._prefix_window: dict[str, collections.deque[float]] = {}
         self._stopping = threading.Event()
         self.match = match
         self.seed = seed
@@ -592,6 +643,9 @@ class FaultProxy:
             self.connections = 0
             self.injected.clear()
             self.history.clear()
+            self.prefix_requests.clear()
+            self.prefix_throttled.clear()
+            self._prefix_window.clear()
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -622,9 +676,13 @@ class FaultProxy:
         # Called without the lock so that a predicate may look at the proxy's counters.
         if match is not None and not match(method, target):
             return None
+        limit = self.prefix_rate_limit
+        prefix = None if limit is None else key_prefix(target, limit[0])
         with self._lock:
             if self.fail_all:
                 kind: str | None = THROTTLE
+            elif prefix is not None and limit is not None and self._over_rate(prefix, limit[1]):
+                kind = THROTTLE
             else:
                 draw = self._rng.random()
                 kind = None
@@ -642,6 +700,19 @@ class FaultProxy:
             if kind is not None:
                 self.injected[kind] += 1
             return kind
+
+    def _over_rate(self, prefix: str, rate: float) -> bool:
+        """Charge one request to ``prefix``; whether it exceeds ``rate`` (call under the lock)."""
+        now = time.monotonic()
+        window = self._prefix_window.setdefault(prefix, collections.deque())
+        while window and window[0] <= now - self.prefix_window_s:
+            window.popleft()
+        self.prefix_requests[prefix] += 1
+        if len(window) >= rate * self.prefix_window_s:
+            self.prefix_throttled[prefix] += 1
+            return True
+        window.append(now)
+        return False
 
     def _record(self, record: ProxyRecord, new_connection: bool) -> None:
         with self._lock:

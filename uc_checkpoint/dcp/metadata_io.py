@@ -372,14 +372,19 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: Mapping[Any, Any
 
 
 def bad_file_name(name: object) -> str | None:
-    """Why ``name`` is not a plain file name directly inside a checkpoint location, or ``None``.
+    """Why ``name`` is not a plain file name inside a checkpoint location, or ``None``.
 
-    A checkpoint is flat, so a name must be a non-empty string without ``/`` (absolute paths,
-    subdirectories, URLs such as ``s3://other-bucket/x``), ``\\`` (Windows separators), ``:``
-    (drive letters and URL schemes), NUL, and must not be ``.`` or ``..``.
+    A name must be a non-empty string without ``/`` (absolute paths, other directories, URLs such
+    as ``s3://other-bucket/x``), ``\\`` (Windows separators), ``:`` (drive letters and URL schemes),
+    NUL, and must not be ``.`` or ``..``. The one ``/`` allowed is that of a data file in a spread
+    prefix (:func:`uc_checkpoint.format.layout.spread_dir`): one to two lower-case hex digits, ``/``,
+    then a plain name ending in ``.distcp``.
     """
     if not isinstance(name, str):
         return f"it is a {type(name).__name__}, not a string"
+    head, sep, tail = name.partition("/")
+    if sep and layout.is_spread_dir(head + sep) and tail.endswith(layout.DATA_SUFFIX):
+        name = tail  # a spread prefix's data file: its own name must be plain
     if not name:
         return "it is empty"
     if name in (".", ".."):

@@ -109,13 +109,17 @@ def _write_result(item: Any, storage_key: str, offset: int, length: int) -> Writ
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
 
-def with_file_prefix(plan: SavePlan, rank: int, token: str) -> SavePlan:
-    """``plan`` naming its data files ``__<rank>_<token>_<n>.distcp`` (see :mod:`uc_checkpoint.format.layout`)."""
-    return dataclasses.replace(plan, storage_data=_StoragePrefix(layout.data_file_prefix(rank, token)))
+def with_file_prefix(plan: SavePlan, rank: int, token: str, spread_prefixes: int = 1) -> SavePlan:
+    """``plan`` naming its data files ``__<rank>_<token>_<n>.distcp``, or
+    ``<spread>/__<rank>_<token>_<n>.distcp`` when the save spreads them over ``spread_prefixes``
+    key prefixes (see :mod:`uc_checkpoint.format.layout`)."""
+    prefix = layout.data_file_prefix(rank, token, layout.spread_dir(rank, spread_prefixes))
+    return dataclasses.replace(plan, storage_data=_StoragePrefix(prefix))
 
 
 def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, threads: int) -> queue.Queue[FileJob]:
-    """Cut a rank's plan (its ``storage_data`` a ``_StoragePrefix``) into data files in ``staging``.
+    """Cut a rank's plan (its ``storage_data`` a ``_StoragePrefix``) into data files in ``staging``
+    (in a sub-directory of it, named as the spread prefix, when the prefix has one).
 
     Args:
         file_size_bytes: target bytes per file; None: :func:`auto_file_size` of the rank's share.
@@ -127,6 +131,8 @@ def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, th
     n_files = max(threads, math.ceil(total / size), 1)
     jobs: queue.Queue[FileJob] = queue.Queue()
     buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
+    if "/" in prefix:  # a spread prefix: staged under the same relative path as on the volume
+        (staging / prefix).parent.mkdir(exist_ok=True)
     for n, bucket in enumerate(buckets):
         name = f"{prefix}{n}{DEFAULT_SUFFIX}"
         jobs.put((staging / name, name, bucket))

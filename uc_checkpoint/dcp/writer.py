@@ -58,6 +58,7 @@ from uc_checkpoint.dcp.serialize import (
 from uc_checkpoint.dcp.sessions import Session, SessionOwner
 from uc_checkpoint.dcp.stager import UnsupportedSnapshot, cpu_snapshot
 from uc_checkpoint.engine import publish
+from uc_checkpoint.engine.listing import checkpoint_files
 from uc_checkpoint.engine.publish import SaveMarker
 from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir, staging_dir_for
 from uc_checkpoint.engine.upload import UploadSession
@@ -148,6 +149,16 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         sync_files: fsync data files and ``.metadata`` on the volume before publishing.
         volume_options: options for the volume of a path or URL, e.g. ``{"endpoint_url": ...,
             "checksums": False}`` for S3 (see :func:`uc_checkpoint.volumes.open_volume`).
+        spread_prefixes: spread the data files over this many key prefixes inside the location
+            (1 to 256): rank ``r``'s files go to ``<r % spread_prefixes in hex>/__<r>_...distcp``,
+            so that a store which limits requests per prefix (S3: about 3,500 writes/s before
+            ``503 SlowDown``) serves a save of thousands of ranks from several partitions. 1: the
+            flat layout. None (default): automatic: flat, except on S3 for saves of at least
+            256 ranks, which get one prefix per 32 ranks (8 at 256 ranks, at most 256). Stock DCP
+            readers load either layout (``.metadata`` records each file's relative path).
+
+    Raises (at construction):
+        TypeError / ValueError: an argument of the wrong type or out of range.
 
     Raises (inside DCP's ``CheckpointException``):
         VolumeError: the location is a file, not writable, or its parent is missing (local and
@@ -179,8 +190,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         create_parents: bool = True,
         sync_files: bool = True,
         volume_options: dict[str, Any] | None = None,
+        spread_prefixes: int | None = None,
     ) -> None:
-        _check_arguments(path, upload_workers, thread_count, file_size_bytes)
+        _check_arguments(path, upload_workers, thread_count, file_size_bytes, spread_prefixes)
         self._init_sessions(path, volume_options)
         # Async saves staged but not yet set up: their exit ticket, where the caller's writer pointed
         # then (another save's reset may move it before this one's thread starts), and the world
@@ -195,6 +207,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         self.file_size_bytes = file_size_bytes
         self.create_parents = create_parents
         self.sync_volume = sync_files
+        self.spread_prefixes = spread_prefixes
         #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last save (None before
         #: one succeeded; in DCP's PROCESS mode it stays in the background process).
         self.last_record: TransferRecord | None = None
@@ -291,11 +304,20 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                     overwrite=self.overwrite,
                     create_parents=self.create_parents,
                 )
-        return plan if self.use_collectives else with_file_prefix(plan, self._rank(), save.token)
+        if self.use_collectives:
+            return plan
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return with_file_prefix(plan, self._rank(), save.token, self._spread_count(world))
+
+    def _spread_count(self, world_size: int) -> int:
+        """Key prefixes this save spreads its data files over (1: none; see ``spread_prefixes``)."""
+        return layout.spread_count(self.spread_prefixes, world_size, partitioned_store=self.volume.partitions_by_prefix)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        token = self._save.token
-        return [p if p.storage_data is not None else with_file_prefix(p, i, token) for i, p in enumerate(plans)]
+        token, spread = self._save.token, self._spread_count(len(plans))
+        if spread > 1:
+            logger.info("spreading the data files of %s over %d key prefixes", self.volume.url, spread)
+        return [p if p.storage_data is not None else with_file_prefix(p, i, token, spread) for i, p in enumerate(plans)]
 
     # ---- writing ------------------------------------------------------------------------------
     def _file_queue(self, plan: SavePlan, staging: Path) -> queue.Queue[FileJob]:
@@ -336,7 +358,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         volume, marker = self.volume, self._save.marker()
         storage_md, records = split_results(results)
-        listing = volume.list_files()
+        listing = checkpoint_files(volume)  # with the files in spread prefixes
         referenced = {info.relative_path for info in storage_md.values()}
         publish.check_data_files(volume, listing, {name: r.size for name, r in records.items()}, referenced)
         try:
@@ -356,14 +378,18 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             marker.remove(volume)
 
 
-def _check_arguments(path: object, upload_workers: object, thread_count: object, file_size_bytes: object) -> None:
-    """The writer's argument checks: TypeError for a wrong type, then ValueError for a value below 1."""
+def _check_arguments(
+    path: object, upload_workers: object, thread_count: object, file_size_bytes: object, spread_prefixes: object
+) -> None:
+    """The writer's argument checks: TypeError for a wrong type, then ValueError for a value below 1
+    (or ``spread_prefixes`` above :data:`~uc_checkpoint.format.layout.MAX_SPREAD_PREFIXES`)."""
     if not isinstance(path, (str, os.PathLike, Volume)):
         raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
     counts = {
         "upload_workers": upload_workers,
         "thread_count": thread_count,
         "file_size_bytes": 1 if file_size_bytes is None else file_size_bytes,
+        "spread_prefixes": 1 if spread_prefixes is None else spread_prefixes,
     }
     for arg, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool):
@@ -371,6 +397,8 @@ def _check_arguments(path: object, upload_workers: object, thread_count: object,
     for arg, value in counts.items():
         if value < 1:  # type: ignore[operator]  # an int, checked above
             raise ValueError(f"{arg} must be >= 1, got {value}")
+    if isinstance(spread_prefixes, int) and spread_prefixes > layout.MAX_SPREAD_PREFIXES:
+        raise ValueError(f"spread_prefixes must be <= {layout.MAX_SPREAD_PREFIXES}, got {spread_prefixes}")
 
 
 def _orphaned_save(url: str, world: int | None) -> StagingError | None:

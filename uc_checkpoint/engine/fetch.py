@@ -249,8 +249,9 @@ def fetch_files(
     workers: int,
     thread_name: str = "uc-download",
 ) -> FetchStats:
-    """Download each file whole into ``staging`` (created, and removed at the end), ``workers`` at
-    a time, and call ``consume(name, local_path)`` on this thread for each as soon as it has arrived
+    """Download each file whole into ``staging`` (created, and removed at the end; a file in a
+    spread prefix, ``<spread>/<name>``, into a sub-directory of the same name), ``workers`` at a
+    time, and call ``consume(name, local_path)`` on this thread for each as soon as it has arrived
     and been verified; each local file is deleted once consumed.
 
     Args:
@@ -271,6 +272,8 @@ def fetch_files(
     nbytes = 0
     try:
         for name in dict.fromkeys(names):
+            if "/" in name:  # a spread prefix's file (names are checked plain otherwise, metadata_io)
+                (cache / name).parent.mkdir(exist_ok=True)
             fetch = FileFetch(
                 pool,
                 ready,

@@ -112,7 +112,9 @@ def begin_save(
     """
     volume.prepare_for_write(create_parents=create_parents)
     files = volume.list_files()
-    foreign = sorted(name for name in files if not layout.is_checkpoint_file(name))
+    # Spread prefixes (sub-locations of data files) are the checkpoint's own; what they hold is not
+    # listed here: one listing per save start, whatever the number of prefixes.
+    foreign = sorted(name for name in files if not (layout.is_checkpoint_file(name) or layout.is_spread_dir(name)))
     if foreign:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise LocationNotEmptyError(
@@ -144,7 +146,8 @@ def check_data_files(
     """Every data file must be on the volume, whole, before ``.metadata`` exists.
 
     Args:
-        listing: the location's files and sizes (bytes), as :meth:`Volume.list_files` gave them.
+        listing: the location's files and sizes (bytes), those in spread prefixes included
+            (:func:`uc_checkpoint.engine.listing.checkpoint_files`).
         sizes: each uploaded file's size in bytes, as its upload recorded it.
         referenced: every file name the new ``.metadata`` points at.
 
@@ -251,7 +254,11 @@ def remove_superseded(volume: Volume, names: Iterable[str]) -> None:
     Files no published ``.metadata`` references are not passed here: they may belong to another
     job's save in progress at this location (deleting them could leave that save publishing over
     missing files), or to a save that crashed; ``uc-checkpoint gc`` removes them once they are
-    older than its grace period. Best effort: a failure is logged, never raised."""
+    older than its grace period. Best effort: a failure is logged, never raised.
+
+    Names in spread prefixes (``3a/__5_...distcp``) are deleted like any other; the prefixes
+    themselves stay (the new save's files are usually in the same ones; on object stores there is
+    nothing to remove), and gc or retention removes them once empty."""
     for name in sorted(names):
         try:
             volume.delete(name)

@@ -80,18 +80,20 @@ class UploadSession:
         self._group.add_done_callback(fn)
 
     def submit(self, local: Path) -> None:
-        """Upload a closed staging file under its own name (from any thread; blocks while the
-        pool is full; ignored once an upload failed)."""
+        """Upload a closed staging file under its path relative to the staging directory
+        (``__0_<token>_0.distcp``, or ``<spread>/__0_...`` in a spread prefix; from any thread;
+        blocks while the pool is full; ignored once an upload failed)."""
         self._group.submit(self._upload, local)
 
     def _upload(self, local: Path) -> FileRecord:
         t0 = time.perf_counter()
         staged_size = local.stat().st_size
-        record = self.volume.upload_file(local, local.name, sync=self._sync)  # verifies what landed
+        name = local.relative_to(self.staging).as_posix()
+        record = self.volume.upload_file(local, name, sync=self._sync)  # verifies what landed
         self._spans.append((t0, time.perf_counter()))
         if record.size != staged_size:
             raise TransferError(
-                f"{self.volume.url_of(local.name)} was uploaded with {record.size} bytes, {local} has {staged_size}"
+                f"{self.volume.url_of(name)} was uploaded with {record.size} bytes, {local} has {staged_size}"
             )
         local.unlink()  # free staging space as soon as the file is safe on the volume
         return record

@@ -19,6 +19,17 @@ Format 1 (written by the first release) has no ``block_size``/``blocks``; it sti
 means the ``.metadata`` ends with a checksum trailer over the whole pickle (see
 :func:`uc_checkpoint.dcp.metadata_io.dump_metadata`); formats 1 and 2 were written without one.
 
+Spread prefixes (opt-in, or automatic for very large saves on S3; see :func:`spread_count`): an
+object store limits the request rate per key prefix (S3: about 3,500 writes/s before ``503
+SlowDown``), so a save of thousands of ranks can put each rank's data files one level down, under
+``<spread>/``: ``<spread>/__<rank>_<save token>_<n>.distcp``, where ``<spread>`` is the rank modulo
+the number of prefixes in lower-case hex, of a fixed width (``0``..``f`` for up to 16 prefixes,
+``00``..``ff`` for up to 256). Those characters come right after the checkpoint's own prefix, which is
+where the store can split its request capacity. DCP's ``.metadata`` records each file's path
+relative to the checkpoint (``_StorageInfo.relative_path``), and stock ``FileSystemReader`` /
+``FsspecReader`` join it with the checkpoint's path, so they load such a checkpoint unchanged.
+``.metadata``, save markers and the abandonment marker always stay at the top of the location.
+
 While a save runs, its location also holds a save marker ``.uc-save-<save token>`` (``__<rank>.``
 in front for DCP's rank-local saves; a few bytes of JSON: host, pid, start time), written before any data file and deleted after the publish. Two saves
 at one location see each other's markers; the newer one (by the store's modification time) publishes,
@@ -51,9 +62,66 @@ _READABLE_FORMATS = READABLE_FORMATS
 #: deletes it, garbage collection never does.
 ABANDONED_NAME = ".uc-abandoned"
 
+#: Most prefixes a checkpoint's data files may be spread over (two hex digits).
+MAX_SPREAD_PREFIXES = 256
+#: Automatic spreading (``spread_prefixes=None``) starts at this many ranks, on stores that
+#: partition request capacity by key prefix (S3)...
+AUTO_SPREAD_MIN_RANKS = 256
+#: ... with one prefix per this many ranks (8 prefixes at 256 ranks, 256 from 8,192 ranks on).
+AUTO_RANKS_PER_PREFIX = 32
+
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
+_SPREAD_DIR = re.compile(r"^[0-9a-f]{1,2}/$")
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 _SAVE_MARKER = re.compile(r"^(?:__(\d+))?\.uc-save-([0-9a-f]{8,32})$")
+
+
+def spread_count(option: int | None, world_size: int, *, partitioned_store: bool) -> int:
+    """How many key prefixes a save of ``world_size`` ranks spreads its data files over (1: none,
+    the flat layout).
+
+    Args:
+        option: the writer's ``spread_prefixes``: an explicit count (1 = flat), or None for
+            automatic: flat below :data:`AUTO_SPREAD_MIN_RANKS` ranks or on a store that does not
+            partition request capacity by prefix (``partitioned_store`` False: local and FUSE
+            paths, fsspec URLs), else one prefix per :data:`AUTO_RANKS_PER_PREFIX` ranks, at most
+            :data:`MAX_SPREAD_PREFIXES`.
+        world_size: ranks in the save.
+
+    Raises:
+        ValueError: ``option`` is below 1 or above :data:`MAX_SPREAD_PREFIXES`.
+    """
+    if option is not None:
+        if not 1 <= option <= MAX_SPREAD_PREFIXES:
+            raise ValueError(f"spread_prefixes must be None or 1..{MAX_SPREAD_PREFIXES}, got {option}")
+        return option
+    if not partitioned_store or world_size < AUTO_SPREAD_MIN_RANKS:
+        return 1
+    return min(MAX_SPREAD_PREFIXES, -(-world_size // AUTO_RANKS_PER_PREFIX))
+
+
+def spread_dir(rank: int, prefixes: int) -> str:
+    """The sub-location (no trailing ``/``) of ``rank``'s data files when a save spreads them over
+    ``prefixes`` key prefixes: ``rank % prefixes`` in lower-case hex, as wide as ``prefixes - 1``
+    is (so ``prefixes=16`` gives ``0``..``f``, ``prefixes=32`` gives ``00``..``1f``); ``""`` for
+    ``prefixes <= 1`` (the flat layout)."""
+    if prefixes <= 1:
+        return ""
+    width = len(f"{prefixes - 1:x}")
+    return f"{rank % prefixes:0{width}x}"
+
+
+def is_spread_dir(name: str) -> bool:
+    """Whether a listing's entry ``name`` (a sub-location's ends with ``/``) is one of the
+    sub-locations :func:`spread_dir` names."""
+    return bool(_SPREAD_DIR.match(name))
+
+
+def split_spread(name: str) -> tuple[str, str]:
+    """``(spread dir, file name)`` of a data file's name relative to the checkpoint
+    (``("3a", "__5_..distcp")``, or ``("", name)`` for a file at the top of the location)."""
+    head, sep, tail = name.rpartition("/")
+    return (head, tail) if sep else ("", name)
 
 
 def metadata_name(rank: int | None = None) -> str:
@@ -62,7 +130,11 @@ def metadata_name(rank: int | None = None) -> str:
 
 
 def is_checkpoint_file(name: str) -> bool:
-    """Whether ``name`` is something a DCP save (ours or stock) puts at a checkpoint location."""
+    """Whether ``name`` is something a DCP save (ours or stock) puts at a checkpoint location: a
+    file at its top, or a data file in a spread prefix (``3a/__5_<token>_0.distcp``)."""
+    if "/" in name:
+        head, sep, tail = name.partition("/")
+        return is_spread_dir(head + sep) and "/" not in tail and tail.endswith(DATA_SUFFIX)
     return (
         name == METADATA_NAME
         or name == METADATA_NAME + ".tmp"  # stock FileSystemWriter's temp file
@@ -88,9 +160,10 @@ def parse_save_marker(name: str) -> tuple[int | None, str] | None:
     return (None if m.group(1) is None else int(m.group(1))), m.group(2)
 
 
-def data_file_prefix(rank: int, save_token: str) -> str:
-    """Prefix of the data files one rank writes in one save."""
-    return f"__{rank}_{save_token}_"
+def data_file_prefix(rank: int, save_token: str, spread: str = "") -> str:
+    """Prefix of the data files one rank writes in one save, relative to the checkpoint:
+    ``__<rank>_<token>_``, or ``<spread>/__<rank>_<token>_`` in a spread prefix (:func:`spread_dir`)."""
+    return f"{spread}/__{rank}_{save_token}_" if spread else f"__{rank}_{save_token}_"
 
 
 def build_manifest(

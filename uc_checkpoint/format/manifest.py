@@ -48,7 +48,9 @@ class ManifestEntry:
     """One data file of a checkpoint, as its manifest records it.
 
     Attributes:
-        name: the file's name at the checkpoint location.
+        name: the file's name at the checkpoint location, relative to it (``<spread>/<name>`` for a
+            data file in a spread prefix, see :mod:`uc_checkpoint.format.layout`; readers check
+            every name with :func:`uc_checkpoint.dcp.metadata_io.bad_file_name`).
         size: bytes.
         crc32: CRC-32 of the whole file, 8 lowercase hex digits.
         block_size: bytes per block of ``blocks`` (0: no per-block checksums, format 1).

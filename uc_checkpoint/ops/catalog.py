@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
+from uc_checkpoint.engine.listing import checkpoint_entries, checkpoint_files
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
 from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME
 from uc_checkpoint.format.manifest import entries_of
@@ -212,7 +213,8 @@ def inspect_step(
         now: the time ages are measured from (Unix seconds; default: now).
 
     Requests: with ``details`` a LIST of the location (plus its times where the store keeps them
-    apart), then the ``.metadata`` GET; without, the GET then the LIST. A GET of the marker when
+    apart), then the ``.metadata`` GET; without, the GET then the LIST. A checkpoint whose data
+    files are spread over key prefixes costs one more LIST per prefix. A GET of the marker when
     the listing shows one. None without ``details`` for an unpublished location.
 
     Raises:
@@ -222,7 +224,8 @@ def inspect_step(
     files: dict[str, int] | None = None
     out = info
     if details:
-        entries = retry(f"list {info.name}", location.list_entries)  # sizes and times, one listing
+        # Sizes and times, one listing (and one per spread prefix the location holds).
+        entries = retry(f"list {info.name}", lambda: checkpoint_entries(location))
         files = {e.name: e.size for e in entries if e.size >= 0}
         mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
         stamp = time.time() if now is None else now
@@ -249,7 +252,7 @@ def inspect_step(
         return replace(out, published=False, state="incomplete", problem=f"no longer published: {exc}")
     out = replace(out, published=True)
     if files is None:
-        files = retry(f"list {info.name}", location.list_files)
+        files = retry(f"list {info.name}", lambda: checkpoint_files(location))
     manifest = manifest_of(metadata)
     damage = None if rollback_first else missing_or_short(location, metadata, files)
     if damage is not None:

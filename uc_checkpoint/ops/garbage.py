@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from uc_checkpoint.dcp.metadata_io import data_file_names, read_metadata
+from uc_checkpoint.engine.listing import checkpoint_entries, remove_empty_spread_dirs
 from uc_checkpoint.engine.staging_dir import default_staging_root
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file
@@ -57,7 +58,7 @@ def _collect_location(
     location: Volume, published: bool | None, cutoff: float, report: GCReport, remove_empty: bool = True
 ) -> None:
     # Only names a save produces are ever candidates: a user's own files stay, whatever their age.
-    entries = location.list_entries()  # sizes and times, one listing
+    entries = checkpoint_entries(location)  # sizes and times: one listing, and one per spread prefix
     sizes = {e.name: e.size for e in entries if e.size >= 0 and is_checkpoint_file(e.name)}
     mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
     if published is None:  # not looked up by the caller: the listing shows it
@@ -93,6 +94,8 @@ def _collect_location(
         report.deleted_bytes += sizes[name]
         if not report.dry_run:
             location.delete(name)
+    if not report.dry_run:
+        remove_empty_spread_dirs(location, candidates)
     if not published and not report.dry_run and remove_empty:
         location.remove_if_empty()
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from uc_checkpoint.dcp import exit_guard, metadata_io
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
+from uc_checkpoint.engine.listing import checkpoint_files, remove_empty_spread_dirs
 from uc_checkpoint.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -536,9 +537,10 @@ class CheckpointManager:
     def _delete_checkpoint(self, info: CheckpointInfo) -> None:
         location = self.root.child(info.name)
         location.delete(METADATA_NAME)  # unpublish first
-        for name, size in location.list_files().items():
-            if size >= 0:
-                location.delete(name)
+        names = [name for name, size in checkpoint_files(location).items() if size >= 0]  # spread prefixes too
+        for name in names:
+            location.delete(name)
+        remove_empty_spread_dirs(location, names)
         location.remove_if_empty()
 
     # ------------------------------------------------------------------ preemption

@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
 from uc_checkpoint.dcp.reader import UCVolumeReader
+from uc_checkpoint.engine.listing import checkpoint_files
 from uc_checkpoint.errors import one_line
+from uc_checkpoint.format.layout import split_spread
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.ops.catalog import file_problems, missing_or_short
@@ -120,11 +122,11 @@ def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> d
     manifest = manifest_of(metadata) or {}
     sizes = {name: entry.size for name, entry in entries_of(manifest).items()}
     if not sizes:  # stock FileSystemWriter checkpoints carry no manifest: list the files instead
-        listing = volume.list_files()
+        listing = checkpoint_files(volume)
         sizes = {name: listing.get(name, -1) for name in referenced_files(metadata)}
     files: dict[str, list[dict[str, Any]]] = {}
     for name in sorted(sizes):
-        m = _RANK_OF_FILE.match(name)
+        m = _RANK_OF_FILE.match(split_spread(name)[1])
         files.setdefault(m.group(1) if m else "?", []).append({"name": name, "bytes": sizes[name]})
     out: dict[str, Any] = {
         "location": volume.url,

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
+from uc_checkpoint.engine.listing import checkpoint_files
 from uc_checkpoint.errors import CorruptCheckpointError
 from uc_checkpoint.format.integrity import Digest, FileRecord
 from uc_checkpoint.format.layout import manifest_records
@@ -96,7 +97,7 @@ def verify_checkpoint(
         report.checksums = bool(records)
         referenced = referenced_files(metadata)
         report.files_checked = len(referenced)
-        bad = file_problems(volume, metadata, volume.list_files())
+        bad = file_problems(volume, metadata, checkpoint_files(volume))
         report.problems.extend(bad.values())
         to_read = [records[name] for name in sorted(referenced) if name not in bad and name in records]
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="uc-verify") as pool:

@@ -76,6 +76,11 @@ class Volume(ABC):
     #: request costs the same for 1 byte or 1 MiB; a local disk: whole files, streamed).
     prefers_ranged_reads: bool = False
 
+    #: Whether the store limits its request rate per key prefix (S3: about 3,500 writes/s per
+    #: prefix before 503 SlowDown), so that a save of very many ranks should spread its data files
+    #: over several prefixes (see :func:`uc_checkpoint.format.layout.spread_count`).
+    partitions_by_prefix: bool = False
+
     #: The exceptions of the store's own client that :meth:`upload_file` and :meth:`download_file`
     #: report as :class:`TransferError` (a local disk: ``OSError``; fsspec filesystems raise
     #: anything). Others propagate unchanged: they are bugs, not store failures.
@@ -182,7 +187,8 @@ class Volume(ABC):
     def open_write(self, name: str, *, sync: bool = True) -> AbstractContextManager[BinaryIO]:
         """Copy primitive: a binary stream that becomes the file ``name`` when the ``with`` block
         ends without an error (durable then, with ``sync``). A backend that keeps the default
-        :meth:`upload_file` implements it.
+        :meth:`upload_file` implements it. ``name`` may be ``<sub>/<file>`` (a data file in a
+        spread prefix): the sub-location is created where the store has directories.
 
         Raises:
             NotImplementedError: the backend overrides :meth:`upload_file` instead (S3).

@@ -187,6 +187,8 @@ class FsspecVolume(Volume):
     def open_write(self, name: str, *, sync: bool = True) -> Iterator[BinaryIO]:
         """``fs.open(path, "wb")``: object-store filesystems upload the object when it is closed
         (``sync`` has nothing more to do)."""
+        if "/" in name:  # a spread prefix's data file; a no-op on stores without directories
+            self.fs.makedirs(self._path(name).rsplit("/", 1)[0], exist_ok=True)
         with self.fs.open(self._path(name), "wb") as dst:
             yield dst
 

@@ -200,6 +200,8 @@ class LocalVolume(Volume):
         them before ``.metadata`` points at them); flushed, and fsynced with ``sync``, when the block
         ends without an error."""
         dest = self._path(name)
+        if "/" in name:  # a spread prefix's data file: its directory comes with the first one
+            dest.parent.mkdir(exist_ok=True)
         with open(dest, "wb") as dst:
             yield dst
             dst.flush()

@@ -171,7 +171,13 @@ class MemoryVolume(Volume):
         """A buffer that becomes the file ``name``, whole, when the block ends without an error."""
         buffer = io.BytesIO()
         yield buffer
-        self.store.write(self._key(name), buffer.getvalue())
+        key = self._key(name)
+        if "/" in name:  # a spread prefix's data file: its directory comes with it, as on a disk
+            store, parent = self.store, key.rpartition("/")[0]
+            with store.lock:
+                if store.is_dir(parent.rpartition("/")[0]) and parent not in store.files:
+                    store.dirs.add(parent)
+        self.store.write(key, buffer.getvalue())
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[tuple[BinaryIO, int]]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
+from uc_checkpoint.format.layout import is_checkpoint_file
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
 
@@ -145,6 +146,7 @@ class S3Volume(Volume):
     """
 
     prefers_ranged_reads = True
+    partitions_by_prefix = True
 
     def __init__(
         self,
@@ -558,7 +560,7 @@ class S3Volume(Volume):
             pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
-                    if "/" in upload["Key"][len(prefix) :]:
+                    if not _at_location(upload["Key"][len(prefix) :]):
                         continue  # belongs to a location below this one
                     if cutoff is not None and upload["Initiated"].timestamp() > cutoff:
                         continue  # recent: a save may still be sending parts
@@ -569,6 +571,13 @@ class S3Volume(Volume):
         except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a save
             logger.warning("could not abort incomplete uploads under %s: %s", self.url, exc)
         return aborted
+
+
+def _at_location(name: str) -> bool:
+    """Whether the key ``name`` (relative to a location) is a file of that location: directly in
+    it, or a data file in one of its spread prefixes (:func:`uc_checkpoint.format.layout.spread_dir`),
+    not something of a location below it."""
+    return "/" not in name or is_checkpoint_file(name)
 
 
 def _hint(exc: BaseException) -> str:
