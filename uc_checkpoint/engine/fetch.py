@@ -211,16 +211,25 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         self.request = request
         self.chunk_bytes = chunk_bytes
         self.record = record
-        self._buf = bytearray(0)
+        self._buf: bytes | bytearray = b""
 
     def start(self) -> None:
-        """Allocate the buffer and queue every piece (blocks while the pool is full)."""
+        """Queue every piece (blocks while the pool is full). A range of several pieces is put
+        together in one buffer; a range of one piece keeps the bytes the volume returned (copying
+        them would cost a pass over every byte loaded)."""
+        pieces = self.request.pieces(self.chunk_bytes)
+        if len(pieces) == 1:
+            self._start([(self._read_whole, ())])
+            return
         self._buf = bytearray(self.request.nbytes)
-        self._start([(self._read_piece, (lo, hi)) for lo, hi in self.request.pieces(self.chunk_bytes)])
+        self._start([(self._read_piece, piece) for piece in pieces])
+
+    def _read_whole(self) -> None:
+        self._buf = self.volume.read_range(self.request.name, self.request.start, self.request.end)
 
     def _read_piece(self, lo: int, hi: int) -> None:
         start = self.request.start
-        self._buf[lo - start : hi - start] = self.volume.read_range(self.request.name, lo, hi)
+        self._buf[lo - start : hi - start] = self.volume.read_range(self.request.name, lo, hi)  # type: ignore[index]
 
     def result(self) -> memoryview:
         """The range's bytes, verified against the record's block checksums.
