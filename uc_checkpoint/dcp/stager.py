@@ -60,6 +60,17 @@ def cpu_snapshot(state_dict: Any) -> Any:
 
 
 def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device]) -> Any:
+    # The common case first and with the fewest checks: a model of many small tensors spends more
+    # of its staging time in Python per tensor than in copying (5,000 tensors of 4-64 KiB: 1.5x a
+    # clone with the general path below, 1.1x with this one; benchmarks/staging.py).
+    if type(obj) is torch.Tensor and obj.is_cpu and obj.layout is torch.strided:
+        key = id(obj)
+        out = memo.get(key)
+        if out is None:
+            # clone (under no_grad: no autograd history) allocates and copies in one dispatch;
+            # empty + copy_ + detach is three, ~1.5x the time for a 16 KiB tensor.
+            out = memo[key] = obj.clone(memory_format=torch.contiguous_format)
+        return out
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
