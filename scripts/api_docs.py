@@ -19,6 +19,7 @@ OUT = REPO / "docs" / "api.md"
 SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.dcp.writer", ["UCVolumeWriter"]),
     ("uc_checkpoint.dcp.reader", ["UCVolumeReader"]),
+    ("uc_checkpoint.dcp.stager", ["BackgroundStager"]),
     ("uc_checkpoint.ops.manager", ["CheckpointManager", "CheckpointInfo"]),
     ("uc_checkpoint.ops.options", ["WriterOptions", "ReaderOptions"]),
     ("uc_checkpoint.ops.retention", ["steps_to_delete"]),

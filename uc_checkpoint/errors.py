@@ -37,6 +37,13 @@ class StagingError(UCCheckpointError):
     """The local staging directory cannot be created or written."""
 
 
+class StateChangedWhileStagingError(UCCheckpointError):
+    """A tensor of the state being saved was changed in place (e.g. by ``optimizer.step()``) while
+    asynchronous staging was still copying it, so the copy may mix two training steps; the save is
+    failed rather than published. Wait for the staging (``CheckpointManager.wait_until_staged()``
+    or the ``staging_completion`` future of ``dcp.async_save``) before updating parameters."""
+
+
 class TransferError(UCCheckpointError):
     """Copying a file between staging and the volume failed (after any retries)."""
 

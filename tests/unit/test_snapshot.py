@@ -31,6 +31,8 @@ def test_snapshot_copies_each_tensor_once_and_keeps_the_structure() -> None:
         "bf16": torch.randn(6).to(torch.bfloat16),
         "mask": torch.tensor([True, False, True]),
         "param": param,
+        "grad": torch.randn(4, requires_grad=True),  # a plain tensor in autograd: no history staged
+        "slice": torch.arange(1000.0)[10:20],  # a view into a larger storage
         "nested": {"list": [torch.ones(2), 1, "x", None], "tuple": (torch.zeros(3), 2.5)},
         "blob": io.BytesIO(b"abc"),
         "progress": Progress([1, 2]),
@@ -41,12 +43,13 @@ def test_snapshot_copies_each_tensor_once_and_keeps_the_structure() -> None:
     assert snap["emb"] is snap["head"]
     assert isinstance(snap["nested"]["tuple"], tuple) and isinstance(snap["nested"]["list"], list)
     assert snap["nested"]["list"][1:] == [1, "x", None]
-    for key in ("emb", "t", "scalar", "empty", "bf16", "mask", "param"):
+    for key in ("emb", "t", "scalar", "empty", "bf16", "mask", "param", "grad", "slice"):
         src, out = sd[key], snap[key]
         assert type(out) is torch.Tensor and out.dtype == src.dtype and out.shape == src.shape, key
         assert torch.equal(out, src.detach()), key
         assert out.is_contiguous() and not out.requires_grad, key
         assert out.numel() == 0 or out.data_ptr() != src.data_ptr(), key
+        assert out.grad_fn is None and out.untyped_storage().nbytes() == out.nbytes, key  # compact, detached
     assert snap["blob"] is not sd["blob"] and snap["blob"].getvalue() == b"abc"
     assert snap["progress"] is not sd["progress"] and snap["progress"] == Progress([1, 2])
 

@@ -10,6 +10,11 @@
             manager.save(step, state)        # async: returns once the state is staged in memory
     manager.wait()
 
+With ``CheckpointManager(..., async_staging=True)`` :meth:`~CheckpointManager.save` returns before
+the copy is taken, and the loop must call :meth:`~CheckpointManager.wait_until_staged` before it
+changes the state (``optimizer.step()``); the manager calls it itself before its next save, load or
+wait, and a state changed too early fails the save instead of publishing a mixed checkpoint.
+
 Layout under the root: ``step_<8 digits>/`` per checkpoint (a :class:`UCVolumeWriter` location:
 data files and, once complete, ``.metadata``) and a ``latest`` pointer file for tools.
 
@@ -30,16 +35,18 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from uc_checkpoint.dcp import exit_guard, metadata_io
 from uc_checkpoint.dcp.reader import UCVolumeReader
+from uc_checkpoint.dcp.stager import BackgroundStager
 from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.engine.listing import checkpoint_files, remove_empty_spread_dirs
 from uc_checkpoint.errors import (
@@ -86,6 +93,14 @@ class CheckpointManager:
             async_save: :meth:`save` uses ``dcp.async_save`` (training resumes once the state is copied
                 to CPU memory) rather than ``dcp.save``.
             async_mode: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``).
+            async_staging: copy the state to CPU memory in a background thread as well
+                (:class:`~uc_checkpoint.dcp.stager.BackgroundStager`), so that :meth:`save` returns
+                after a few milliseconds instead of after one copy of the state. Off by default
+                because it moves a duty to the training loop: call :meth:`wait_until_staged` after
+                :meth:`save` and before anything changes the state (``optimizer.step()``, a load
+                into it). A state changed earlier fails the save
+                (:class:`~uc_checkpoint.errors.StateChangedWhileStagingError`) rather than publish a
+                checkpoint that mixes two steps. Needs ``async_save=True``.
             process_group: the ranks that save and load together (default: every rank). The manager
                 never issues a collective on this group itself: on first use it creates two gloo groups
                 over the same ranks, one for DCP's saves (whose collectives run in a background thread
@@ -134,6 +149,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = True,
         async_mode: str = "thread",
+        async_staging: bool = False,
         process_group: dist.ProcessGroup | None = None,
         staging_dir: str | None = None,
         list_attempts: int = 5,
@@ -154,6 +170,8 @@ class CheckpointManager:
             raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
         if async_mode not in ("thread", "process"):
             raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if async_staging and not async_save:
+            raise ValueError("async_staging=True needs async_save=True (a synchronous save stages nothing)")
         if list_attempts < 1:
             raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
         #: Settings of each save's writer and each load's reader (they read as dicts too).
@@ -166,12 +184,15 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.async_save = async_save
         self.async_mode = async_mode
+        self.async_staging = async_staging
         self.process_group = process_group
         self.staging_dir = staging_dir
         self.list_attempts = list_attempts
         self.list_backoff_s = list_backoff_s
         self.write_pointer = write_pointer
         self._inflight: tuple[int, Future] | None = None
+        # The staging of the save in flight, while async staging may still be reading the state.
+        self._staging: Future | None = None
         #: The :class:`~uc_checkpoint.observability.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
@@ -276,7 +297,16 @@ class CheckpointManager:
 
         Waits for the previous save first (one save in flight) and raises its error, if any. With
         ``async_save`` the returned future completes when the checkpoint is published (``.metadata``
-        written); otherwise the save is done when this returns. After a publish, rank 0 writes the
+        written); otherwise the save is done when this returns.
+
+        When it returns, the state may change: the save works on its own copy; except with
+        ``async_staging=True``, where the copy is still being taken: call :meth:`wait_until_staged`
+        before anything changes the state (the next ``optimizer.step()``)::
+
+            manager.save(step, state)
+            loss.backward()                 # overlaps the copy
+            manager.wait_until_staged()     # then the parameters may change
+            optimizer.step() After a publish, rank 0 writes the
         ``latest`` pointer and prunes old checkpoints (in the background for async saves; failures
         there are logged, never raised into training).
 
@@ -293,12 +323,40 @@ class CheckpointManager:
         """
         return self._save(step, state_dict, asynchronous=self.async_save)
 
+    def wait_until_staged(self, timeout: float | None = None) -> None:
+        """Block until the save in flight no longer reads the state passed to :meth:`save`; from
+        then on the training loop may change it in place. Returns at once when no staging is in
+        progress (no save in flight, a synchronous save, ``async_staging=False``, or already
+        waited for); cheap enough to call before every ``optimizer.step()``.
+
+        A staging that failed is not raised here (the state is free either way): like every save
+        error it is raised by :meth:`wait` or the next :meth:`save`. :meth:`save`, :meth:`load`,
+        :meth:`wait` and :meth:`save_final` call this themselves first.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as the copy takes.
+
+        Raises:
+            TimeoutError: the copy was not complete after ``timeout`` seconds (the state must still
+                not change; call again).
+        """
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        try:
+            futures_wait([staging], timeout=timeout)
+        finally:
+            if not staging.done():
+                self._staging = staging
+        if not staging.done():
+            raise TimeoutError(f"the staging of the save in flight took more than {timeout} s")
+
     def _save(self, step: int, state_dict: dict[str, Any], *, asynchronous: bool) -> Future:
         """:meth:`save`, with ``dcp.async_save`` or ``dcp.save`` as ``asynchronous`` says."""
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         name = checkpoint_name(step)
-        self.wait()
+        self.wait()  # also the staging of the previous save
         if not self._lineage_checked:
             self._on_leader("check for a rollback", lambda: self._check_rollback(step))
             self._lineage_checked = True
@@ -309,12 +367,15 @@ class CheckpointManager:
         group = self._ranks.save_group()
         pending = _PendingSave(step, location.url, leader, run_id, asynchronous)  # starts the clock
         try:
-            fut = self._start_save(state_dict, writer, group, asynchronous)
+            fut, staging = self._start_save(state_dict, writer, group, asynchronous)
         except BaseException as exc:
             self._record(SaveEvent(step, location.url, pending.elapsed_s(), error=one_line(exc)), pending)
             raise
         pending.blocked_s = pending.elapsed_s()
         self._inflight = (step, pending.done)
+        if staging is not None:
+            self._staging = staging
+            staging.add_done_callback(partial(_staged, pending))
         fut.add_done_callback(partial(self._on_saved, pending))
         if asynchronous:
             # A script may end right after an async save: the interpreter's exit waits for it.
@@ -323,16 +384,27 @@ class CheckpointManager:
 
     def _start_save(
         self, state_dict: dict[str, Any], writer: UCVolumeWriter, group: dist.ProcessGroup | None, asynchronous: bool
-    ) -> Future:
-        """Start DCP's save; a future of its ``Metadata`` (already complete for a sync save)."""
+    ) -> tuple[Future, Future | None]:
+        """Start DCP's save: a future of its ``Metadata`` (already complete for a sync save) and,
+        with async staging, the future of the staged copy."""
         if asynchronous:
             mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-            return dcp.async_save(  # type: ignore[return-value]  # a Future: our writer stages synchronously
-                state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode
-            )
+            if self.async_staging:
+                response = dcp.async_save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=group,
+                    async_checkpointer_type=mode,
+                    async_stager=BackgroundStager(),
+                )
+                assert isinstance(response, AsyncSaveResponse)  # the stager returns a future
+                return response.upload_completion, response.staging_completion
+            fut = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode)
+            assert isinstance(fut, Future)  # our writer stages synchronously: the copy is done
+            return fut, None
         done: Future = Future()
         done.set_result(dcp.save(state_dict, storage_writer=writer, process_group=group))
-        return done
+        return done, None
 
     def _on_saved(self, pending: _PendingSave, fut: Future) -> None:
         """DCP's future ``fut`` completed: record the save, run rank 0's housekeeping, then complete
@@ -402,13 +474,15 @@ class CheckpointManager:
     def _record(self, event: SaveEvent, pending: _PendingSave) -> None:
         self.last_save = event
         if event.ok:
+            staged = "" if pending.staged_s is None else f", staged after {pending.staged_s:.3f} s"
             logger.info(
-                "checkpoint step %d: %s bytes in %s files to %s; blocked %.3f s, published after %.3f s",
+                "checkpoint step %d: %s bytes in %s files to %s; blocked %.3f s%s, published after %.3f s",
                 event.step,
                 event.bytes,
                 event.files,
                 event.location,
                 event.blocked_s,
+                staged,
                 event.publish_s,
             )
         elif pending.asynchronous:
@@ -418,7 +492,9 @@ class CheckpointManager:
             log_to_mlflow(pending.mlflow_run_id, event)
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any; raise its error."""
+        """Wait for the save in flight, if any (its staging, upload, publish and housekeeping);
+        raise its error."""
+        self.wait_until_staged()
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             inflight[1].result()
@@ -580,6 +656,7 @@ class CheckpointManager:
             CheckpointException (DCP's): the final save failed.
         """
         deadline = time.monotonic() + budget_s
+        self.wait_until_staged()  # a copy is a few seconds at most; the state is needed right after
         inflight, self._inflight = self._inflight, None
         landed = False
         if inflight is not None:
@@ -633,6 +710,7 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"no published checkpoint under {self.root.url}")
+        self.wait_until_staged()  # the load writes into tensors a save in flight may still be copying
         location = self.root.child(checkpoint_name(step))
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
         dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
@@ -654,10 +732,17 @@ class _PendingSave:
     asynchronous: bool
     started: float = field(default_factory=time.perf_counter)  # perf_counter seconds
     blocked_s: float = 0.0  # how long save() kept the training loop
+    staged_s: float | None = None  # until the staged copy was complete (async staging)
     done: Future = field(default_factory=Future)  # the caller's: completes after the housekeeping
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
+
+
+def _staged(pending: _PendingSave, staging: Future) -> None:
+    """The async staging of ``pending`` ended (the copy is complete, or failed)."""
+    pending.staged_s = pending.elapsed_s()
+    logger.debug("checkpoint step %d: staged after %.3f s", pending.step, pending.staged_s)
 
 
 def _save_event(pending: _PendingSave, fut: Future) -> SaveEvent:
