@@ -360,3 +360,42 @@ def test_a_new_volumes_client_reads_no_service_model_again(monkeypatch: pytest.M
     client = S3Volume("s3://bucket-b/y", endpoint_url="http://127.0.0.1:9", max_attempts=3).client
     assert client.meta.config.retries["total_max_attempts"] == 3  # its own settings, not a shared client
     assert reads == []
+
+
+def test_ranges_are_received_into_the_callers_buffer_over_one_connection(s3_server: str, s3_bucket: str) -> None:
+    """read_range_into gives read_range's bytes (a range ending at the file's end included), reports
+    a range past the end as truncated, and leaves each connection fit for the next request."""
+    import os
+
+    volume = s3_volume(s3_server, s3_bucket, "into")
+    data = os.urandom((3 << 20) + 17)
+    volume.client.put_object(Bucket=s3_bucket, Key=volume.key("f"), Body=data)
+    for start, end in ((0, 1 << 20), (5, 70_000), (1 << 20, len(data)), (len(data) - 1, len(data))):
+        out = bytearray(end - start)
+        volume.read_range_into("f", start, memoryview(out))
+        assert bytes(out) == data[start:end] == volume.read_range("f", start, end), (start, end)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        volume.read_range_into("f", len(data) - 10, memoryview(bytearray(20)))
+    with pytest.raises(CorruptCheckpointError, match="missing|does not exist"):
+        volume.read_range_into("nope", 0, memoryview(bytearray(4)))
+    for _ in range(30):
+        volume.read_range_into("f", 1 << 20, memoryview(bytearray(1 << 20)))
+    # botocore's urllib3 pool: a body read past urllib3 must still return its connection.
+    pools = volume.client._endpoint.http_session._manager.pools
+    assert sum(pools[k].num_connections for k in pools.keys()) <= 2
+
+
+def test_bodies_cut_off_while_received_into_a_buffer_are_fetched_again(
+    s3_server: str, s3_bucket: str, fault_proxy: FaultProxy
+) -> None:
+    import os
+
+    data = os.urandom(2 << 20)
+    s3_client(s3_server).put_object(Bucket=s3_bucket, Key="cut/f", Body=data)
+    volume = s3_volume(fault_proxy.url, s3_bucket, "cut", max_attempts=10)
+    fault_proxy.cut_rate = 0.5
+    for _ in range(6):
+        out = bytearray(1 << 20)
+        volume.read_range_into("f", 1 << 20, memoryview(out))
+        assert bytes(out) == data[1 << 20 :]
+    assert "cut" in fault_proxy.injected and volume.retries > 0

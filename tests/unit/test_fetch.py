@@ -47,6 +47,9 @@ class Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def read_range_into(self, name: str, start: int, out: memoryview) -> None:
+        out[:] = self.read_range(name, start, start + len(out))  # recorded as a read_range
+
     def read_range(self, name: str, start: int, end: int) -> bytes:
         with self._lock:
             self.reads.append((name, start, end))
@@ -330,3 +333,25 @@ def test_a_failing_download_is_one_transfer_error(volume: Volume, tmp_path: Path
     assert str(ei.value) == f"reading {volume.url_of('f0.distcp')} failed: injected download failure"
     assert isinstance(ei.value.__cause__, OSError)
     assert rec.closed == 1 and not staging.exists()
+
+
+def test_range_buffers_are_received_into_again_within_their_limit() -> None:
+    from uc_checkpoint.engine.fetch import _Buffers
+
+    pool = _Buffers(limit=300)
+    a = pool.take(100)
+    assert len(a) == 100 and isinstance(a.obj, bytearray)
+    pool.give(a)
+    b = pool.take(60)  # fits the kept 100-byte buffer (at most twice the size asked for)
+    assert b.obj is a.obj and len(b) == 60
+    c = pool.take(40)  # nothing kept that fits: new memory
+    assert c.obj is not a.obj
+    pool.give(b)
+    pool.give(c)  # kept: 100 + 40 bytes
+    small = pool.take(10)  # both kept buffers are more than twice as large
+    assert small.obj is not a.obj and small.obj is not c.obj
+    big = pool.take(250)
+    pool.give(big)  # 140 + 250 > 300: not kept
+    again = pool.take(200)
+    assert again.obj is not big.obj and again.obj is not a.obj
+    assert pool.take(90).obj is a.obj

@@ -211,25 +211,17 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         self.request = request
         self.chunk_bytes = chunk_bytes
         self.record = record
-        self._buf: bytes | bytearray = b""
+        self._buf = memoryview(bytearray(0))
 
-    def start(self) -> None:
-        """Queue every piece (blocks while the pool is full). A range of several pieces is put
-        together in one buffer; a range of one piece keeps the bytes the volume returned (copying
-        them would cost a pass over every byte loaded)."""
-        pieces = self.request.pieces(self.chunk_bytes)
-        if len(pieces) == 1:
-            self._start([(self._read_whole, ())])
-            return
-        self._buf = bytearray(self.request.nbytes)
-        self._start([(self._read_piece, piece) for piece in pieces])
-
-    def _read_whole(self) -> None:
-        self._buf = self.volume.read_range(self.request.name, self.request.start, self.request.end)
+    def start(self, buffer: memoryview | None = None) -> None:
+        """Queue every piece (blocks while the pool is full), each received into its place in
+        ``buffer`` (``request.nbytes`` writable bytes; default: new memory)."""
+        self._buf = buffer if buffer is not None else memoryview(bytearray(self.request.nbytes))
+        self._start([(self._read_piece, piece) for piece in self.request.pieces(self.chunk_bytes)])
 
     def _read_piece(self, lo: int, hi: int) -> None:
         start = self.request.start
-        self._buf[lo - start : hi - start] = self.volume.read_range(self.request.name, lo, hi)  # type: ignore[index]
+        self.volume.read_range_into(self.request.name, lo, self._buf[lo - start : hi - start])
 
     def result(self) -> memoryview:
         """The range's bytes, verified against the record's block checksums.
@@ -240,7 +232,7 @@ class RangeFetch(_Pipeline[None], Generic[T]):
             TransferError: a read failed for another reason.
         """
         self.wait()
-        data = memoryview(self._buf)
+        data = self._buf
         if self.record is not None:
             verify_blocks(data, self.request.start, self.record, self.volume.url_of(self.request.name))
         return data
@@ -309,6 +301,32 @@ def fetch_files(
     return FetchStats(nfiles, nbytes, time.perf_counter() - started, volume.retries - retries)
 
 
+class _Buffers:
+    """Range buffers given back after their range was consumed, received into again by a later
+    range: a fresh buffer costs the kernel a page fault and a zeroing per 4 KiB page on first touch,
+    about as much CPU as copying the bytes. Used from one thread; keeps at most ``limit`` bytes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[bytearray] = []
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable view of ``nbytes`` bytes, from a kept buffer of at most twice that size
+        (the smallest that fits), else new memory."""
+        fits = [b for b in self._free if nbytes <= len(b) <= 2 * nbytes]
+        if not fits:
+            return memoryview(bytearray(nbytes))
+        buf = min(fits, key=len)
+        self._free.remove(buf)
+        return memoryview(buf)[:nbytes]
+
+    def give(self, view: memoryview) -> None:
+        buf = view.obj
+        if isinstance(buf, bytearray) and sum(map(len, self._free)) + len(buf) <= self.limit:
+            self._free.append(buf)
+
+
 def fetch_ranges(
     volume: Volume,
     requests: Sequence[RangeRequest[T]],
@@ -337,6 +355,7 @@ def fetch_ranges(
     started, retries = time.perf_counter(), volume.retries
     ready: queue.SimpleQueue[RangeFetch[T]] = queue.SimpleQueue()
     budget = ByteBudget(max_inflight_bytes)
+    buffers = _Buffers(max_inflight_bytes)
     pool = TransferPool(workers, name=thread_name)
     outstanding = nbytes = 0
 
@@ -344,7 +363,9 @@ def fetch_ranges(
         nonlocal outstanding, nbytes
         done = ready.get()
         outstanding -= 1
-        consume(done.request, done.result())
+        data = done.result()
+        consume(done.request, data)
+        buffers.give(data)  # ``data`` is valid only during consume: its memory can be received into again
         nbytes += done.request.nbytes
         budget.give(done.request.nbytes)
 
@@ -353,7 +374,7 @@ def fetch_ranges(
             while not budget.try_take(request.nbytes):
                 consume_one()
             fetch = RangeFetch(pool, ready, volume, request, chunk_bytes=chunk_bytes, record=records.get(request.name))
-            fetch.start()
+            fetch.start(buffers.take(request.nbytes))
             outstanding += 1
         while outstanding:
             consume_one()

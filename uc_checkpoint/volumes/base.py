@@ -316,6 +316,17 @@ class Volume(ABC):
             TransferError: the read failed for another reason.
         """
 
+    def read_range_into(self, name: str, start: int, out: memoryview) -> None:
+        """Bytes ``[start, start + len(out))`` of ``name``, written into ``out`` (a writable,
+        byte-formatted buffer). Stores that can receive straight into the caller's memory override
+        this; the default copies what :meth:`read_range` returns.
+
+        Raises:
+            CorruptCheckpointError: ``name`` does not exist or is shorter than the range.
+            TransferError: the read failed for another reason.
+        """
+        out[:] = self.read_range(name, start, start + len(out))
+
     @abstractmethod
     def read_bytes(self, name: str) -> bytes | None:
         """The whole content of a small file, or ``None`` if it does not exist."""

@@ -29,7 +29,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
@@ -38,6 +38,7 @@ from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 #: Files at or above this size (bytes) are uploaded as multipart uploads.
 DEFAULT_MULTIPART_THRESHOLD = 16 << 20
@@ -464,23 +465,37 @@ class S3Volume(Volume):
         return record
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        where = self.url_of(name)
         if end <= start:
             return b""
+        data = self._get_range(name, start, end, lambda body: body.read())
+        if len(data) != end - start:
+            raise self._truncated(name, start, end, len(data))
+        return data
+
+    def read_range_into(self, name: str, start: int, out: memoryview) -> None:
+        """As :meth:`Volume.read_range_into`, the response body received straight into ``out``
+        (where botocore's ``read`` would build a bytes object of it first: one pass over every
+        byte, and fresh memory that the kernel must map and zero)."""
+        if len(out):
+            end = start + len(out)
+            got = self._get_range(name, start, end, lambda body: _read_body_into(body, out))
+            if got != len(out):
+                raise self._truncated(name, start, end, got)
+
+    def _get_range(self, name: str, start: int, end: int, receive: Callable[[Any], _R]) -> _R:
         try:
-            data = self._get(name, f"bytes={start}-{end - 1}")
+            return self._get(name, f"bytes={start}-{end - 1}", receive)
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 raise self._missing(name) from exc
             status, code = _error_info(exc)
             if status == 416 or code == "InvalidRange":
                 raise CorruptCheckpointError(
-                    f"checkpoint file {where} is truncated: it ends before byte {start}"
+                    f"checkpoint file {self.url_of(name)} is truncated: it ends before byte {start}"
                 ) from exc
-            raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}{_hint(exc)}") from exc
-        if len(data) != end - start:
-            raise self._truncated(name, start, end, len(data))
-        return data
+            raise TransferError(
+                f"reading bytes {start}-{end - 1} of {self.url_of(name)} failed: {exc}{_hint(exc)}"
+            ) from exc
 
     def read_bytes(self, name: str) -> bytes | None:
         try:
@@ -492,9 +507,12 @@ class S3Volume(Volume):
                 return None
             raise TransferError(f"reading {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
 
-    def _get(self, name: str, byte_range: str | None) -> bytes:
-        """GET an object (or a range of it). botocore retries a failed request; a body cut off
-        after the response started is retried here, with the same backoff shape."""
+    def _get(self, name: str, byte_range: str | None, receive: Callable[[Any], _R] | None = None) -> _R:
+        """GET an object (or a range of it) and hand its body to ``receive`` (default: read it
+        whole). botocore retries a failed request; a body cut off after the response started is
+        retried here, with the same backoff shape."""
+        from http.client import IncompleteRead
+
         from botocore.exceptions import (
             ConnectionClosedError,
             IncompleteReadError,
@@ -502,14 +520,23 @@ class S3Volume(Volume):
             ResponseStreamingError,
         )
 
+        cut_off = (
+            ResponseStreamingError,
+            IncompleteReadError,
+            ReadTimeoutError,
+            ConnectionClosedError,
+            IncompleteRead,  # from a body received straight into the caller's buffer
+            ConnectionError,
+            TimeoutError,
+        )
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name)}
         if byte_range:
             kwargs["Range"] = byte_range
         for attempt in range(1, self.max_attempts + 1):
             try:
                 response = self.client.get_object(**kwargs)
-                return response["Body"].read()
-            except (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError) as exc:
+                return receive(response["Body"]) if receive is not None else response["Body"].read()
+            except cut_off as exc:
                 if attempt == self.max_attempts:
                     raise
                 delay = random.uniform(0, min(20.0, 0.1 * 2**attempt))  # full jitter
@@ -578,6 +605,53 @@ def _at_location(name: str) -> bool:
     it, or a data file in one of its spread prefixes (:func:`uc_checkpoint.format.layout.spread_dir`),
     not something of a location below it."""
     return "/" not in name or is_checkpoint_file(name)
+
+
+def _read_body_into(body: Any, out: memoryview) -> int:
+    """Receive the response ``body`` into ``out``; returns the body's length in bytes (compare it
+    with ``len(out)``: more or fewer bytes than asked for).
+
+    The bytes go from the socket into ``out`` through the standard library's
+    ``http.client.HTTPResponse.readinto`` under urllib3's response (botocore's ``StreamingBody``
+    and urllib3's ``readinto`` both read into a new bytes object and copy it). Only a plain
+    response is read that way: any wrapper (botocore's checksum-validating body), a content
+    encoding or a chunked body goes through ``read()`` and one copy, as does a botocore or urllib3
+    without those attributes.
+    """
+    from botocore.response import StreamingBody
+
+    raw = getattr(body, "_raw_stream", None)  # urllib3.response.HTTPResponse
+    fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse
+    plain = (
+        type(body) is StreamingBody
+        and callable(getattr(fp, "readinto", None))
+        and not getattr(raw, "chunked", True)
+        and not raw.headers.get("content-encoding")  # type: ignore[union-attr]
+    )
+    if not plain:
+        data = body.read()
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]
+        return len(data)
+    from http.client import IncompleteRead
+
+    announced = getattr(body, "_content_length", None)
+    got = 0
+    try:
+        while got < len(out):
+            n = fp.readinto(out[got:])  # type: ignore[union-attr]
+            if not n:
+                break
+            got += n
+        if announced is not None and got < min(int(announced), len(out)):
+            # The connection ended before the body the store announced: cut off, not a short file.
+            raise IncompleteRead(b"", int(announced) - got)
+        # Reading on through urllib3 sees the end of the body (and returns the connection to its
+        # pool), or hands back bytes beyond the range, which the caller reports.
+        return got + len(raw.read())  # type: ignore[union-attr]
+    except BaseException:
+        raw.close()  # type: ignore[union-attr]  # a connection cut mid-body is not reused
+        raise
 
 
 def _hint(exc: BaseException) -> str:
