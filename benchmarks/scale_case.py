@@ -19,6 +19,8 @@ Measures per rank: ``save_s`` / ``load_s`` (wall, after a barrier), ``save_cpu_s
 (user + system seconds of this process, all threads; the S3 server runs elsewhere), and on rank 0
 ``publish_s`` (until ``.metadata`` exists on the store, polled every 5 ms through ``--probe-endpoint``
 so that the polls are not counted) and ``files_per_rank`` (data files of each rank at the location).
+With ``--raw-download`` (1 rank), ``raw_download_s``: boto3 downloading the same data objects, the
+store's own pace.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +213,39 @@ def load(args: argparse.Namespace, expected: Any, mesh: Any) -> dict[str, Any]:
     return out
 
 
+class _Discard:
+    """A file-like sink for downloads that are timed, not kept."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def raw_download(args: argparse.Namespace) -> dict[str, Any]:
+    """The store's limit for the load: boto3's ``download_fileobj`` of the checkpoint's data objects
+    (the same objects the load read), 4 at a time, with our S3 defaults for parts and concurrency."""
+    from boto3.s3.transfer import TransferConfig
+
+    from uc_checkpoint.volumes.s3 import DEFAULT_MAX_CONCURRENCY, DEFAULT_MULTIPART_THRESHOLD, DEFAULT_PART_SIZE
+
+    client = _client(os.environ.get("AWS_ENDPOINT_URL"))
+    bucket, key = _split(args.dest.rstrip("/") + "/")
+    keys = [
+        o["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+        for o in page.get("Contents", [])
+        if o["Key"].endswith(".distcp")
+    ]
+    config = TransferConfig(
+        multipart_threshold=DEFAULT_MULTIPART_THRESHOLD,
+        multipart_chunksize=DEFAULT_PART_SIZE,
+        max_concurrency=DEFAULT_MAX_CONCURRENCY,
+    )
+    t0, c0 = time.perf_counter(), _cpu_s()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda k: client.download_fileobj(bucket, k, _Discard(), Config=config), keys))
+    return {"raw_download_s": time.perf_counter() - t0, "raw_download_cpu_s": _cpu_s() - c0}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale_case", description=__doc__.split("\n\n")[0])
     p.add_argument("--dest", required=True)
@@ -219,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=100, help="number of tensors (--state tensors)")
     p.add_argument("--writer", choices=("uc", "fs"), default="uc", help="uc: ours; fs: DCP's FileSystemWriter")
     p.add_argument("--probe-endpoint", default="", help="S3 endpoint for the uncounted .metadata probe and listing")
+    p.add_argument("--raw-download", action="store_true", help="also time boto3 downloading the data objects (1 rank)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -242,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         _barrier()
     if args.phase in ("load", "both"):
         result.update(load(args, sd, mesh))
+    if args.raw_download and rank == 0:
+        result.update(raw_download(args))
     if dist.is_initialized():
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)

@@ -141,6 +141,11 @@ def series_of(data: dict[str, Any]) -> list[Series]:
             Series("ranks", f"requests of a load ({tag})", "ranks", xs,
                    [r["requests_load"]["total"] for r in rows], 1, "{:.0f}", "requests per rank"),
         ]  # fmt: skip
+        if all("load_ranged_bytes" in r for r in rows):
+            out.append(
+                Series("ranks", f"bytes a load fetches / checkpoint bytes ({tag})", "ranks", xs,
+                       [_fetched(r) for r in rows], 0)
+            )  # fmt: skip
     sizes = _rows(data, "size")
     if len(sizes) >= 2:
         xs = [r["bytes"] / MIB for r in sizes]
@@ -152,6 +157,22 @@ def series_of(data: dict[str, Any]) -> list[Series]:
                 "size", "load s", "MiB", xs, [r["load_s"] for r in sizes], 1, slope_unit="s per GiB", slope_scale=1024
             ),
             Series("size", "save client CPU-s/GiB", "MiB", xs, [_per_gib(r, "save_cpu_s") for r in sizes], 0),
+            *(
+                [
+                    Series(
+                        "size",
+                        "raw boto3 download s of the same objects (the store, for reference)",
+                        "MiB",
+                        xs,
+                        [r["raw_download_s"] for r in sizes],
+                        None,
+                        slope_unit="s per GiB",
+                        slope_scale=1024,
+                    )
+                ]
+                if all("raw_download_s" in r for r in sizes)
+                else []
+            ),
             Series("size", "load client CPU-s/GiB", "MiB", xs, [_per_gib(r, "load_cpu_s") for r in sizes], 0),
         ]
     tensors = _rows(data, "tensors")
@@ -209,6 +230,11 @@ def series_of(data: dict[str, Any]) -> list[Series]:
                    xs, [r["store_list_s"] for r in ckpts], None, "{:.4f}", slope_unit="ms per checkpoint", slope_scale=1e3)
         )  # fmt: skip
     return out
+
+
+def _fetched(r: dict[str, Any]) -> float:
+    """Bytes the load's ranged GETs asked for, per byte of checkpoint (1.0: each byte once)."""
+    return float(r["load_ranged_bytes"]) / r["bytes"]
 
 
 def _publish(r: dict[str, Any]) -> float:
@@ -323,18 +349,20 @@ def _ranks_section(data: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "gpt state (model + AdamW, DTensor Shard(0) over a 1-D CPU mesh, gloo), one torchrun job per point. "
         "`fixed total`: the same checkpoint cut into more, smaller shares; `fixed share`: every rank saves "
         "the same bytes. Files per rank must follow the rank's own share (16 files of 16-256 MiB each, "
-        "at least 16 MiB), never the world size.",
+        "at least 16 MiB), never the world size. `load fetched / size`: the bytes the load's ranged GETs "
+        "asked for (Range headers, all ranks) per byte of checkpoint.",
         "",
         "| series | ranks | total MiB | share MiB | save to .metadata s | load s | files per rank | "
-        "expected | objects | save requests | load requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "expected | objects | save requests | load requests | load fetched / size |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         files = sorted(set(r["files_per_rank"].values()))
         lines.append(
             f"| {r['series']} | {r['ranks']} | {r['bytes'] / MIB:.0f} | {r['share_bytes'] / MIB:.0f} | "
             f"{_publish(r):.2f} | {r['load_s']:.2f} | {'-'.join(map(str, files))} | {r['expected_files']} | "
-            f"{r['objects']} | {_reqs(r['requests_save'])} | {_reqs(r['requests_load'])} |"
+            f"{r['objects']} | {_reqs(r['requests_save'])} | {_reqs(r['requests_load'])} | "
+            f"{_fetched(r) if 'load_ranged_bytes' in r else float('nan'):.2f} |"
         )
     return [*lines, "", *_img(plots, "ranks")]
 
@@ -346,17 +374,21 @@ def _size_section(data: dict[str, Any], plots: dict[str, str]) -> list[str]:
     lines = [
         "## Checkpoint size",
         "",
-        "gpt state on 1 rank, synchronous `dcp.save` then `dcp.load` into zeros, directly to the store.",
+        "gpt state on 1 rank, synchronous `dcp.save` then `dcp.load` into zeros, directly to the store; then "
+        "boto3's `download_fileobj` of the same data objects (4 at a time, our part size and concurrency): "
+        "the store's own pace at that size.",
         "",
-        "| size MiB | save s | save MB/s | save CPU-s/GiB | load s | load MB/s | load CPU-s/GiB | store peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size MiB | save s | save MB/s | save CPU-s/GiB | load s | load MB/s | load CPU-s/GiB | "
+        "raw boto3 download s | store peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rss = r.get("store_peak_rss_mib")
         lines.append(
             f"| {r['bytes'] / MIB:.0f} | {r['save_s']:.2f} | {r['bytes'] / 1e6 / r['save_s']:.0f} | "
             f"{_per_gib(r, 'save_cpu_s'):.2f} | {r['load_s']:.2f} | {r['bytes'] / 1e6 / r['load_s']:.0f} | "
-            f"{_per_gib(r, 'load_cpu_s'):.2f} | {'-' if rss is None else f'{rss:.0f}'} |"
+            f"{_per_gib(r, 'load_cpu_s'):.2f} | {r['raw_download_s'] if 'raw_download_s' in r else float('nan'):.2f} | "
+            f"{'-' if rss is None else f'{rss:.0f}'} |"
         )
     return [*lines, "", *_img(plots, "size")]
 
@@ -422,14 +454,19 @@ def _reshard_section(data: dict[str, Any]) -> list[str]:
         f"loaded by {s} ranks and by {l_} (torchrun, gloo on the CPU); every tensor of each load compared with "
         "the saved content.",
         "",
-        "| step | ranks | s | client CPU-s | requests |",
-        "|---|---|---|---|---|",
-        f"| save | {s} | {r['save_s']:.2f} | {r['save_cpu_s']:.2f} | {_reqs(r['save_requests'])} |",
+        "| step | ranks | s | client CPU-s | requests | fetched / size |",
+        "|---|---|---|---|---|---|",
+        f"| save | {s} | {r['save_s']:.2f} | {r['save_cpu_s']:.2f} | {_reqs(r['save_requests'])} | - |",
         f"| load, same world size | {s} | {r['load_same_s']:.2f} | {r['load_same_cpu_s']:.2f} | "
-        f"{_reqs(r['load_same_requests'])} |",
-        f"| load, resharded | {l_} | {r['load_s']:.2f} | {r['load_cpu_s']:.2f} | {_reqs(r['load_requests'])} |",
+        f"{_reqs(r['load_same_requests'])} | {_ratio(r, 'load_same_ranged_bytes')} |",
+        f"| load, resharded | {l_} | {r['load_s']:.2f} | {r['load_cpu_s']:.2f} | {_reqs(r['load_requests'])} | "
+        f"{_ratio(r, 'load_ranged_bytes')} |",
         "",
     ]
+
+
+def _ratio(r: dict[str, Any], key: str) -> str:
+    return f"{r[key] / r['bytes']:.2f}" if key in r else "-"
 
 
 # -- plots ------------------------------------------------------------------------------------------
