@@ -289,8 +289,10 @@ def _median_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of every numeric field over repeats; the rest from the first."""
     out = dict(rows[0])
     for key, value in rows[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(r[key] for r in rows if key in r)
+        values = [r[key] for r in rows if key in r]
+        # Counts that agree stay as they are (ints); measures get their median.
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and len(set(values)) > 1:
+            out[key] = statistics.median(values)
     out["repeats"] = len(rows)
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ BEGIN, END = "<!-- scale:begin -->", "<!-- scale:end -->"
 #: 2-core machine; request and file counts are exact).
 TOLERANCE = 0.25
 BOUNDS = {0: "constant", 1: "linear"}
+#: Hand-written reading of one run's figures (why a flagged cost grows), appended to that run's report.
+NOTES = Path(__file__).with_name("scale_notes.md")
 
 
 @dataclass(frozen=True)
@@ -90,15 +93,27 @@ class Series:
     y_fmt: str = "{:.2f}"
     slope_unit: str = ""  # "s per GiB": shows the marginal cost, scaled by slope_scale
     slope_scale: float = 1.0
-    note: str = ""
+    # The store's own cost of the same work (raw boto3): a cost that grows no faster than it is the
+    # store's limit showing, not the client's.
+    reference: Series | None = None
 
     @property
     def growth(self) -> Growth:
         return growth(self.xs, self.ys)
 
     @property
+    def store_bound(self) -> bool:
+        """Steeper than its bound, but no steeper than the store's own cost of the same work."""
+        return (
+            self.bound is not None
+            and self.growth.exponent > self.bound + TOLERANCE
+            and self.reference is not None
+            and self.reference.growth.exponent >= self.growth.exponent - TOLERANCE
+        )
+
+    @property
     def flagged(self) -> bool:
-        return self.bound is not None and self.growth.exponent > self.bound + TOLERANCE
+        return self.bound is not None and self.growth.exponent > self.bound + TOLERANCE and not self.store_bound
 
     def points(self) -> str:
         return ", ".join(f"{self.y_fmt.format(y)} at {_num(x)}" for x, y in zip(self.xs, self.ys))
@@ -108,6 +123,8 @@ class Series:
         text = f"{g.label} in {self.x_name} (exponent {g.exponent:.2f}"
         if self.slope_unit:
             text += f"; {g.slope * self.slope_scale:+.3g} {self.slope_unit}"
+        if self.store_bound and self.reference is not None:
+            text += f"; the store's own download grows alike, exponent {self.reference.growth.exponent:.2f}"
         return text + ")"
 
 
@@ -149,30 +166,29 @@ def series_of(data: dict[str, Any]) -> list[Series]:
     sizes = _rows(data, "size")
     if len(sizes) >= 2:
         xs = [r["bytes"] / MIB for r in sizes]
+        raw = (
+            Series("size", "raw boto3 download s of the same objects (the store, for reference)", "MiB", xs,
+                   [r["raw_download_s"] for r in sizes], None, slope_unit="s per GiB", slope_scale=1024)
+            if all("raw_download_s" in r for r in sizes)
+            else None
+        )  # fmt: skip
         out += [
             Series(
                 "size", "save s", "MiB", xs, [r["save_s"] for r in sizes], 1, slope_unit="s per GiB", slope_scale=1024
             ),
             Series(
-                "size", "load s", "MiB", xs, [r["load_s"] for r in sizes], 1, slope_unit="s per GiB", slope_scale=1024
+                "size",
+                "load s",
+                "MiB",
+                xs,
+                [r["load_s"] for r in sizes],
+                1,
+                slope_unit="s per GiB",
+                slope_scale=1024,
+                reference=raw,
             ),
+            *([raw] if raw is not None else []),
             Series("size", "save client CPU-s/GiB", "MiB", xs, [_per_gib(r, "save_cpu_s") for r in sizes], 0),
-            *(
-                [
-                    Series(
-                        "size",
-                        "raw boto3 download s of the same objects (the store, for reference)",
-                        "MiB",
-                        xs,
-                        [r["raw_download_s"] for r in sizes],
-                        None,
-                        slope_unit="s per GiB",
-                        slope_scale=1024,
-                    )
-                ]
-                if all("raw_download_s" in r for r in sizes)
-                else []
-            ),
             Series("size", "load client CPU-s/GiB", "MiB", xs, [_per_gib(r, "load_cpu_s") for r in sizes], 0),
         ]
     tensors = _rows(data, "tensors")
@@ -264,11 +280,17 @@ def _reqs(c: dict[str, int]) -> str:
     return f"{c['total']} ({', '.join(parts)})" if parts else str(c["total"])
 
 
+def _within(s: Series) -> str:
+    if s.bound is None:
+        return "-"
+    return "NO" if s.flagged else ("the store's limit" if s.store_bound else "yes")
+
+
 def summary_table(series: list[Series]) -> list[str]:
     lines = ["| sweep | cost | measured | growth | bound | within |", "|---|---|---|---|---|---|"]
     for s in series:
         bound = "-" if s.bound is None else BOUNDS[s.bound]
-        within = "-" if s.bound is None else ("NO" if s.flagged else "yes")
+        within = _within(s)
         lines.append(f"| {s.sweep} | {s.cost} | {s.points()} | {s.verdict()} | {bound} | {within} |")
     return lines
 
@@ -332,7 +354,23 @@ def render(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines += _tensors_section(data, plots)
     lines += _checkpoints_section(data, plots)
     lines += _reshard_section(data)
+    lines += _notes(data["machine"]["date"])
     return "\n".join(lines)
+
+
+def _notes(date: str) -> list[str]:
+    """The hand-written notes when they describe this run (their ``<!-- run: DATE -->`` tag)."""
+    notes = NOTES.read_text().strip() if NOTES.exists() else ""
+    tag = re.match(r"<!-- run: (.*?) -->", notes)
+    if not notes:
+        return []
+    if tag and tag.group(1) == date:
+        return [notes[tag.end() :].strip(), ""]
+    return [
+        f"(The hand-written reading in `benchmarks/scale_notes.md` describes the run of "
+        f"{tag.group(1) if tag else 'another date'}, not this one.)",
+        "",
+    ]
 
 
 def _img(plots: dict[str, str], sweep: str) -> list[str]:
@@ -359,9 +397,9 @@ def _ranks_section(data: dict[str, Any], plots: dict[str, str]) -> list[str]:
     for r in rows:
         files = sorted(set(r["files_per_rank"].values()))
         lines.append(
-            f"| {r['series']} | {r['ranks']} | {r['bytes'] / MIB:.0f} | {r['share_bytes'] / MIB:.0f} | "
+            f"| {r['series']} | {r['ranks']:.0f} | {r['bytes'] / MIB:.0f} | {r['share_bytes'] / MIB:.0f} | "
             f"{_publish(r):.2f} | {r['load_s']:.2f} | {'-'.join(map(str, files))} | {r['expected_files']} | "
-            f"{r['objects']} | {_reqs(r['requests_save'])} | {_reqs(r['requests_load'])} | "
+            f"{r['objects']:.0f} | {_reqs(r['requests_save'])} | {_reqs(r['requests_load'])} | "
             f"{_fetched(r) if 'load_ranged_bytes' in r else float('nan'):.2f} |"
         )
     return [*lines, "", *_img(plots, "ranks")]
@@ -473,9 +511,11 @@ def _ratio(r: dict[str, Any], key: str) -> str:
 
 
 def _axis(s: Series) -> str:
-    """What a cost's y axis holds: a count, client CPU per GiB, or seconds."""
-    if s.cost.startswith("requests") or "files" in s.cost or "objects" in s.cost:
+    """What a cost's y axis holds: a count, a ratio of bytes, client CPU per GiB, or seconds."""
+    if s.cost.startswith(("requests", "data files", "data objects")):
         return "count"
+    if s.cost.startswith("bytes"):
+        return "bytes per byte of checkpoint"
     return "CPU-s/GiB" if "CPU" in s.cost else "seconds"
 
 
@@ -544,7 +584,7 @@ def main_report_block(data: dict[str, Any], scale_report: str) -> list[str]:
         "",
         "| sweep | cost | growth | within |",
         "|---|---|---|---|",
-        *(f"| {s.sweep} | {s.cost} | {s.verdict()} | {'NO' if s.flagged else 'yes'} |" for s in judged),
+        *(f"| {s.sweep} | {s.cost} | {s.verdict()} | {_within(s)} |" for s in judged),
         "",
     ]
     if found:

@@ -14,6 +14,7 @@ from benchmarks.scale_case import PHASE_MARK
 from benchmarks.scale_report import (
     BEGIN,
     END,
+    Series,
     findings,
     growth,
     render,
@@ -163,3 +164,14 @@ def test_the_scale_section_survives_a_regeneration_of_the_main_report(tmp_path: 
     write_report(raw, main)
     assert section_for(main)[0] == BEGIN
     assert BEGIN in main.read_text() and "## Scale" in main.read_text()
+
+
+def test_a_cost_that_grows_only_as_fast_as_the_store_is_not_ours() -> None:
+    xs = [256, 1024, 2048]
+    store = Series("size", "raw download s", "MiB", xs, [0.3, 2.8, 9.0], None)
+    load = Series("size", "load s", "MiB", xs, [0.7, 3.7, 11.1], 1, reference=store)
+    assert load.growth.label == "faster than linear" and load.store_bound and not load.flagged
+    alone = Series("size", "load s", "MiB", xs, [0.7, 3.7, 11.1], 1, reference=None)
+    assert alone.flagged
+    faster = Series("size", "load s", "MiB", xs, [0.7, 3.7, 30.0], 1, reference=store)
+    assert faster.flagged, "steeper than the store's own download is still ours"
