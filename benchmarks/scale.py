@@ -2,8 +2,8 @@
 and writes ``docs/benchmarks/scale.json``, ``docs/benchmarks/scale-*.png``, ``docs/benchmarks-scale.md``
 and the "Scale" section of ``docs/benchmarks.md``::
 
-    python -m benchmarks.scale            # the full grid (15-25 minutes on 2 cores)
-    python -m benchmarks.scale --quick    # a reduced grid in about a minute
+    python -m benchmarks.scale            # the full grid (about 10 minutes on 2 cores, 2 repeats)
+    python -m benchmarks.scale --quick    # a reduced grid in about 70 s
     python -m benchmarks.scale --only checkpoints --checkpoints 10 100 1000
 
 Sweeps (each point a fresh process, or a torchrun job, against a fresh S3 server):
