@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .scale_report import section_for
+
 MIB = 1 << 20
 # Hand-written reading of the figures (which targets hold, which do not and why), appended to the report.
 NOTES = Path(__file__).with_name("report_notes.md")
@@ -285,6 +287,8 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
             f"{tag.group(1) if tag else 'another date'}, not this one.)",
             "",
         ]
+    # The scale benchmark's section (benchmarks/scale.py) survives a regeneration of this report.
+    lines += section_for(path)
     path.write_text("\n".join(lines))
 
 
