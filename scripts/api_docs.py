@@ -18,6 +18,7 @@ OUT = REPO / "docs" / "api.md"
 # (module, public names) in reading order.
 SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.dcp.writer", ["UCVolumeWriter"]),
+    ("uc_checkpoint.dcp.planner", ["UCSavePlanner", "place_replicated"]),
     ("uc_checkpoint.dcp.reader", ["UCVolumeReader"]),
     ("uc_checkpoint.dcp.stager", ["BackgroundStager"]),
     ("uc_checkpoint.ops.manager", ["CheckpointManager", "CheckpointInfo"]),

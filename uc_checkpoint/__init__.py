@@ -41,6 +41,7 @@ from uc_checkpoint.errors import (
 if TYPE_CHECKING:
     from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
     from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+    from uc_checkpoint.dcp.planner import UCSavePlanner
     from uc_checkpoint.dcp.reader import UCVolumeReader
     from uc_checkpoint.dcp.writer import UCVolumeWriter
     from uc_checkpoint.ops.garbage import GCReport, collect_garbage
@@ -56,6 +57,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "UCVolumeReader": ".dcp.reader",
     "UCVolumeWriter": ".dcp.writer",
+    "UCSavePlanner": ".dcp.planner",
     "CheckpointManager": ".ops.manager",
     "DataTracker": ".data.tracker",
     "ShardSpec": ".data.tracker",
@@ -117,6 +119,7 @@ __all__ = [
     "TrackerStateError",
     "TransferError",
     "UCCheckpointError",
+    "UCSavePlanner",
     "UCVolumeReader",
     "UCVolumeWriter",
     "UnsafeMetadataError",

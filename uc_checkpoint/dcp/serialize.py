@@ -42,6 +42,7 @@ from uc_checkpoint.dcp.compat import (
     cpu_loader,
 )
 from uc_checkpoint.dcp.item_codec import ItemCodec
+from uc_checkpoint.dcp.planner import is_small, item_bytes
 from uc_checkpoint.errors import TransferError
 from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import FileRecord
@@ -98,11 +99,7 @@ def _chunk_bytes(item: Any) -> int:
     """Bytes of the part of a tensor this rank writes: its chunk, not the whole tensor (DCP's
     ``_item_size`` measures the global tensor, which made each rank believe its share was W times
     larger and cut it into W times more files)."""
-    data = item.tensor_data
-    n = 1
-    for d in data.chunk.sizes:
-        n *= d
-    return n * data.properties.dtype.itemsize
+    return item_bytes(item)
 
 
 def _write_result(item: Any, storage_key: str, offset: int, length: int) -> WriteResult:
@@ -119,18 +116,29 @@ def with_file_prefix(plan: SavePlan, rank: int, token: str, spread_prefixes: int
 
 def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, threads: int) -> queue.Queue[FileJob]:
     """Cut a rank's plan (its ``storage_data`` a ``_StoragePrefix``) into data files in ``staging``
-    (in a sub-directory of it, named as the spread prefix, when the prefix has one).
+    (in a sub-directory of it, named as the spread prefix, when the prefix has one). When the rank
+    needs more than one file, its small items (:func:`~uc_checkpoint.dcp.planner.is_small`) get
+    one file of their own, the first; the rest are balanced over the others as DCP does.
 
     Args:
         file_size_bytes: target bytes per file; None: :func:`auto_file_size` of the rank's share.
         threads: at least this many files, so every serialising thread has one.
     """
     prefix = plan.storage_data.prefix
+    small = [item for item in plan.items if is_small(item)]
+    large = [item for item in plan.items if not is_small(item)]
     total = sum(_chunk_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
     size = file_size_bytes if file_size_bytes is not None else auto_file_size(total)
     n_files = max(threads, math.ceil(total / size), 1)
     jobs: queue.Queue[FileJob] = queue.Queue()
-    buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
+    if small and large and n_files > 1:
+        # A rank's small items in a small file of their own, first: every rank reads the step and
+        # the replicated scalars back, and one GET of a file smaller than a checksum block does
+        # (scattered over the large files, each read widened to a 4 MiB block; dcp/planner.py).
+        n_large = max(threads, math.ceil(sum(_chunk_bytes(item) for item in large) / size), 1)
+        buckets = [small, *(b for b in _split_by_size_and_type(n_large, large) if b)]
+    else:
+        buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
     if "/" in prefix:  # a spread prefix: staged under the same relative path as on the volume
         (staging / prefix).parent.mkdir(exist_ok=True)
     for n, bucket in enumerate(buckets):

@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from uc_checkpoint.dcp import exit_guard, metadata_io
+from uc_checkpoint.dcp.planner import UCSavePlanner
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.stager import BackgroundStager
 from uc_checkpoint.dcp.writer import UCVolumeWriter
@@ -396,14 +397,21 @@ class CheckpointManager:
                     process_group=group,
                     async_checkpointer_type=mode,
                     async_stager=BackgroundStager(),
+                    planner=UCSavePlanner(),
                 )
                 assert isinstance(response, AsyncSaveResponse)  # the stager returns a future
                 return response.upload_completion, response.staging_completion
-            fut = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_checkpointer_type=mode)
+            fut = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=group,
+                async_checkpointer_type=mode,
+                planner=UCSavePlanner(),
+            )
             assert isinstance(fut, Future)  # our writer stages synchronously: the copy is done
             return fut, None
         done: Future = Future()
-        done.set_result(dcp.save(state_dict, storage_writer=writer, process_group=group))
+        done.set_result(dcp.save(state_dict, storage_writer=writer, process_group=group, planner=UCSavePlanner()))
         return done, None
 
     def _on_saved(self, pending: _PendingSave, fut: Future) -> None:
