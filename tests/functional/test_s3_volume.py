@@ -399,3 +399,28 @@ def test_bodies_cut_off_while_received_into_a_buffer_are_fetched_again(
         volume.read_range_into("f", 1 << 20, memoryview(out))
         assert bytes(out) == data[1 << 20 :]
     assert "cut" in fault_proxy.injected and volume.retries > 0
+
+
+@pytest.mark.parametrize("sign_payload", [None, False])
+def test_payload_signing_on_plain_http_is_a_choice(
+    s3_bucket: str, fault_proxy: FaultProxy, staging: Path, sign_payload: bool | None
+) -> None:
+    """botocore signs every body (a SHA-256 of each byte) over plain HTTP; sign_payload=False
+    sends UNSIGNED-PAYLOAD instead, still with the body's CRC-32, and the checkpoint round-trips."""
+    volume = s3_volume(
+        fault_proxy.url, s3_bucket, f"sign-{sign_payload}", sign_payload=sign_payload, multipart_threshold=5 << 20
+    )
+    sd = {**make_state_dict(3), "big": torch.randn(2 << 20)}  # 8 MiB: a multipart upload too
+    fault_proxy.reset()
+    out = save_and_load(volume, sd)
+    assert_state_dict_equal(sd, out)
+    bodies = [r for r in fault_proxy.history if r.method == "PUT"]
+    hashes = {r.header("x-amz-content-sha256") for r in bodies}
+    if sign_payload is False:
+        assert hashes <= {"UNSIGNED-PAYLOAD", "STREAMING-UNSIGNED-PAYLOAD-TRAILER"}, hashes
+    else:
+        assert not hashes & {"UNSIGNED-PAYLOAD", "STREAMING-UNSIGNED-PAYLOAD-TRAILER"}, hashes
+    assert any(r.header("x-amz-checksum-crc32") or r.header("x-amz-trailer") for r in bodies)
+    assert pickle.loads(pickle.dumps(volume)).sign_payload is sign_payload
+    with pytest.raises(VolumeError, match="sign_payload"):
+        S3Volume("s3://bucket/p", sign_payload="no")  # type: ignore[arg-type]
