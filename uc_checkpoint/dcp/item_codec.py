@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import mmap
 import struct
 import threading
 import zlib
@@ -58,7 +59,7 @@ class _Template:
     crc_offsets: tuple[int, ...]  # where the storage record's CRC-32 is kept (descriptor, central dir)
 
 
-def _storage_layout(raw: bytes, nbytes: int) -> tuple[int, int, tuple[int, ...]] | None:
+def _storage_layout(raw: Any, nbytes: int) -> tuple[int, int, tuple[int, ...]] | None:
     """Locate the one storage record ("<archive>/data/0") of a single-tensor torch.save archive:
     (data start, data end, offsets of its CRC-32 fields), or None when the archive is not laid out
     as expected (then the template is not used)."""
@@ -121,7 +122,35 @@ class _Head:
         return view[pos:start] == self.raw[pos:start]
 
 
-def _crc_fields(raw: bytes) -> list[int]:
+class _SparseSink:
+    """A write-only stream that keeps what is written and where, and lets ``seek`` skip bytes
+    (torch's ``skip_data`` seeks over each storage record)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, bytes]] = []
+        self.pos = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self.parts.append((self.pos, chunk))
+        self.pos += len(chunk)
+        self.size = max(self.size, self.pos)
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset + (self.pos if whence == io.SEEK_CUR else self.size if whence == io.SEEK_END else 0)
+        self.size = max(self.size, self.pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+def _crc_fields(raw: Any) -> list[int]:
     """Offsets of every member's CRC-32 field in the local headers and data descriptors of the zip
     archive ``raw`` (torch's writer leaves them 0 when it skips CRCs; other writers fill them)."""
     eocd = raw.rfind(struct.pack("<I", _END_OF_CENTRAL_DIR))
@@ -247,17 +276,29 @@ class ItemCodec:
 
     @staticmethod
     def _build_head(dtype: torch.dtype, shape: tuple[int, ...]) -> _Head | None:
-        # torch.empty: its pages are never written, so the archive costs one read of zero pages.
-        sample = torch.empty(shape, dtype=dtype)
-        buf = io.BytesIO()
-        save_without_zip_crc(sample, buf)
-        raw = buf.getvalue()
-        layout = _storage_layout(raw, sample.numel() * sample.element_size())
-        if layout is None:
-            logger.debug("no fast item head for %s %s: unexpected archive layout", dtype, shape)
+        sample = torch.empty(shape, dtype=dtype)  # never written: its bytes are not part of a head
+        nbytes = sample.numel() * sample.element_size()
+        sink = _SparseSink()
+        try:
+            # torch's skip_data (2.6+) seeks over the storage record instead of writing it.
+            from torch.serialization import skip_data
+
+            with skip_data():
+                save_without_zip_crc(sample, sink)
+        except (ImportError, RuntimeError, TypeError) as exc:
+            logger.debug("no fast item head for %s %s: %s", dtype, shape, exc)
             return None
-        start, end, _ = layout
-        return _Head(bytes(raw[:start]), end, tuple(sorted(c for c in _crc_fields(raw) if c + 4 <= start)))
+        # The archive laid out in lazily zeroed memory: only its header and directory pages are
+        # touched, the storage record in between never is.
+        with mmap.mmap(-1, max(sink.size, 1)) as raw:
+            for pos, part in sink.parts:
+                raw[pos : pos + len(part)] = part
+            layout = _storage_layout(raw, nbytes)
+            if layout is None:
+                logger.debug("no fast item head for %s %s: unexpected archive layout", dtype, shape)
+                return None
+            start, end, _ = layout
+            return _Head(raw[:start], end, tuple(sorted(c for c in _crc_fields(raw) if c + 4 <= start)))
 
     @staticmethod
     def _fill(template: _Template, t: torch.Tensor) -> bytearray:

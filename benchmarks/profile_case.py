@@ -1,0 +1,57 @@
+"""The process :mod:`benchmarks.profile` samples: saves and loads a GPT-like state to S3, each phase
+gated by files so the profiler attaches to exactly that phase.
+
+    python -m benchmarks.profile_case s3://bucket/prefix SIZE_MB REPEATS WORKDIR
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+
+def gpt_like(size_mb: int) -> dict[str, torch.Tensor]:
+    """float32 tensors of 16, 4 and 1 MiB in turn, ``size_mb`` MiB in all."""
+    left, sizes, sd, i = (size_mb << 20) // 4, (4 << 20, 1 << 20, 1 << 18), {}, 0
+    while left > 0:
+        n = min(sizes[i % 3], left)
+        sd[f"layer{i}.weight"] = torch.randn(n)
+        left -= n
+        i += 1
+    return sd
+
+
+def _gate(work: Path, phase: str) -> None:
+    (work / f"{phase}.ready").touch()
+    while not (work / f"{phase}.go").exists():
+        time.sleep(0.02)
+
+
+def main() -> None:
+    from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+    from uc_checkpoint.volumes import S3Volume
+
+    url, size_mb, repeats, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    sd = gpt_like(size_mb)
+    S3Volume(url).client  # noqa: B018 - botocore reads its models once per process, before sampling
+    paths = [f"{url}/{uuid.uuid4().hex[:8]}" for _ in range(repeats)]
+    _gate(work, "save")
+    for path in paths:
+        dcp.save(sd, storage_writer=UCVolumeWriter(path))
+    (work / "save.done").touch()
+    targets = [{k: torch.zeros_like(v) for k, v in sd.items()} for _ in paths]  # before sampling
+    _gate(work, "load")
+    for path, target in zip(paths, targets):
+        dcp.load(target, storage_reader=UCVolumeReader(path))
+    (work / "load.done").touch()
+    for k, v in sd.items():
+        assert torch.equal(targets[-1][k], v), k
+
+
+if __name__ == "__main__":
+    main()
