@@ -84,12 +84,13 @@ def _category(frames: list[str]) -> str:
     return "other"
 
 
-def table(counts: collections.Counter[str], total: int, rate_hz: int, gib: float) -> list[str]:
-    """Markdown rows: category, CPU-s per GiB moved, share of the phase's CPU."""
-    rows = ["| where | CPU-s/GiB | share |", "|---|---|---|"]
+def table(counts: collections.Counter[str], total: int, measured_cpu_s: float, gib: float) -> list[str]:
+    """Markdown rows: category, its share of the samples, and that share of the phase's measured
+    client CPU (``os.times``) per GiB moved."""
+    rows = ["| where | share of samples | CPU-s/GiB |", "|---|---|---|"]
     for name, n in counts.most_common():
-        rows.append(f"| {name} | {n / rate_hz / gib:.2f} | {100 * n / total:.0f}% |")
-    rows.append(f"| **all sampled CPU** | **{total / rate_hz / gib:.2f}** | 100% |")
+        rows.append(f"| {name} | {100 * n / total:.0f}% | {measured_cpu_s * n / total / gib:.2f} |")
+    rows.append(f"| **measured client CPU (os.times)** | 100% | **{measured_cpu_s / gib:.2f}** |")
     return rows
 
 
@@ -108,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rate", type=int, default=250, help="samples per second per thread")
     p.add_argument("--report", default=str(REPO / "docs" / "benchmarks-profile.md"))
+    p.add_argument("--raw-dir", help="keep py-spy's raw (collapsed) stacks here, one file per phase")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     work = Path(tempfile.mkdtemp(prefix="uc-profile-"))
-    sections: dict[str, tuple[collections.Counter[str], int]] = {}
+    sections: dict[str, tuple[collections.Counter[str], int, float, float]] = {}
     try:
         with store(work, counted=False) as s3:
             env = {**case_env(s3.endpoint, work / "staging"), **FAKE_ENV}
@@ -146,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                 _, err = spy.communicate(timeout=60)
                 if not out.exists():
                     raise SystemExit(f"py-spy wrote nothing for the {phase} phase: {err.decode(errors='replace')}")
-                sections[phase] = breakdown(out.read_text())
+                counts, total = breakdown(out.read_text())
+                sections[phase] = (counts, total, float((work / f"{phase}.cpu").read_text()), total / args.rate)
+                if args.raw_dir:
+                    Path(args.raw_dir).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(out, Path(args.raw_dir) / out.name)
             proc.wait(timeout=600)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -160,8 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         f"py-spy `--native` at {args.rate} Hz on every thread, idle samples dropped; CPU-s per GiB moved. "
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
     ]
-    for phase, (counts, total) in sections.items():
-        lines += ["", f"## {phase}", "", *table(counts, total, args.rate, gib)]
+    for phase, (counts, total, measured, sampled_s) in sections.items():
+        lines += [
+            "",
+            f"## {phase}",
+            "",
+            f"Samples of running threads: {sampled_s:.2f} thread-seconds; measured CPU: {measured:.2f} s. py-spy "
+            "cannot always tell a thread waiting inside C code from one running, so the shares are of samples "
+            "and the CPU-s/GiB column spreads the measured CPU by them.",
+            "",
+            *table(counts, total, measured, gib),
+        ]
     Path(args.report).write_text("\n".join(lines) + "\n")
     log.info("wrote %s", args.report)
     return 0
