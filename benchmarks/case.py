@@ -18,7 +18,11 @@ Cases (``--case``):
   runs ``FileSystemReader`` on the local copy.
 
 Client CPU: ``*_cpu_s`` fields are the user + system seconds of the case's process (all its threads)
-over each timed call; the S3 server runs in the runner's process, so its CPU is not counted. Every
+over each timed call; the S3 server runs in another process (moto as threads of the runner,
+localbucket on its own), so its CPU is not counted there. ``*_store_cpu_s`` fields are the S3
+server's CPU over the same calls (user + system seconds of the process whose pid the runner passes in
+``UC_BENCH_STORE_PID``; in a multi-rank run every rank reads the same server over about the same
+window, so the report takes the largest rank's figure, not their sum). Every
 S3 case builds its boto3 client before the timed calls (botocore reads its service models once per
 process, ~0.1 s of CPU), so the figures are a running job's, not its first save's.
 
@@ -51,6 +55,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import state
+from .cpu import store_cpu_s
 
 POLL_S = 0.005
 
@@ -67,6 +72,13 @@ def _cpu_s() -> float:
     """User + system CPU seconds of this process so far, all threads (not children)."""
     t = os.times()
     return t.user + t.system
+
+
+def _put_store_cpu(out: dict[str, Any], key: str, before: float | None) -> None:
+    """``out[key]``: the S3 server's CPU seconds since ``before`` (when the runner named it)."""
+    after = store_cpu_s()
+    if before is not None and after is not None:
+        out[key] = after - before
 
 
 def _reset_peak() -> None:
@@ -188,10 +200,11 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = _rss_kib("VmRSS")
     _reset_peak()
-    t0, c0 = time.perf_counter(), _cpu_s()
+    t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
     dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-sync"), planner=_planner(args.case))
     out["sync_save_s"] = time.perf_counter() - t0
     out["sync_save_cpu_s"] = _cpu_s() - c0
+    _put_store_cpu(out, "sync_save_store_cpu_s", s0)
     out["sync_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
 
     # 2. async save: blocked time and time until .metadata is on the volume
@@ -228,10 +241,11 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = _rss_kib("VmRSS")
     _reset_peak()
-    t0, c0 = time.perf_counter(), _cpu_s()
+    t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
     dcp.load(target, storage_reader=_reader(args.case, args.dest))
     out["load_s"] = time.perf_counter() - t0
     out["load_cpu_s"] = _cpu_s() - c0
+    _put_store_cpu(out, "load_store_cpu_s", s0)
     out["load_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
     state.assert_equal(sd, target)
     out["verified"] = True
@@ -289,37 +303,41 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         out["file_bytes"] = sum(p.stat().st_size for p in files)
         out["files"] = len(files)
         barrier()
-        t0, c0 = time.perf_counter(), _cpu_s()
+        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
         upload(files, prefix)
         out["upload_s"], out["upload_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        _put_store_cpu(out, "upload_store_cpu_s", s0)
         barrier()
         _drop_page_cache()
-        t0, c0 = time.perf_counter(), _cpu_s()
+        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
         download(files, prefix, Path(tmp) / f"dst{rank}")
         out["download_s"], out["download_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        _put_store_cpu(out, "download_store_cpu_s", s0)
         for p in files:
             assert (Path(tmp) / f"dst{rank}" / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs"
 
         # The naive staged path: stock writer to local disk with as many files, then upload them.
         naive, naive_prefix = Path(tmp) / "naive", f"{prefix}-naive"
         barrier()
-        t0, c0 = time.perf_counter(), _cpu_s()
+        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(naive), thread_count=max(1, len(files))))
         naive_files = sorted(p for p in naive.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
         upload(naive_files, naive_prefix)
         barrier()
         out["naive_save_s"], out["naive_save_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        _put_store_cpu(out, "naive_save_store_cpu_s", s0)
         local = Path(tmp) / "naive-dst"
         _drop_page_cache()
         target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
         barrier()
-        t0, c0 = time.perf_counter(), _cpu_s()
+        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
         download(naive_files, naive_prefix, local)
         if rank == 0:
             (local / ".metadata").write_bytes((naive / ".metadata").read_bytes())  # as a load would fetch it
         barrier()
         dcp.load(target, storage_reader=dcp.FileSystemReader(str(local)))
         out["naive_load_s"], out["naive_load_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        _put_store_cpu(out, "naive_load_store_cpu_s", s0)
         state.assert_equal(sd, target)
         barrier()  # rank 0 removes the shared directory on leaving
     out["verified"] = True

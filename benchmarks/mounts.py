@@ -8,6 +8,9 @@ hangs anything that walks the file system.
 * :func:`ensure_fuse_tools` checks for (and as root installs) ``s3fs``, ``bindfs`` and
   ``fusermount3``.
 * :func:`moto_server` runs moto's S3 server on 127.0.0.1 and yields its URL.
+* :func:`localbucket_server` runs ``localbucket`` (a small disk-backed S3 server) as a process of
+  its own on 127.0.0.1 and yields its URL and pid (a second store, so that the store's limits can
+  be told apart from the clients' costs).
 * :func:`make_bucket` creates a bucket on such an endpoint.
 * :func:`s3fs_mount` mounts a bucket with s3fs-fuse; :func:`bindfs_mount` mounts a local
   directory through a FUSE passthrough (a FUSE baseline with no network in it).
@@ -24,7 +27,9 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -143,6 +148,103 @@ def make_bucket(endpoint_url: str, name: str) -> str:
     """
     s3_client(endpoint_url).create_bucket(Bucket=name)
     return name
+
+
+#: Seconds localbucket gets to answer after it is started, and to exit after SIGTERM.
+LOCALBUCKET_TIMEOUT_S = 30.0
+# The child asks the kernel for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG = 1), so even a
+# runner killed with SIGKILL leaves no server behind; then runs localbucket's own command line.
+_LOCALBUCKET_MAIN = (
+    "import ctypes, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "import localbucket\n"
+    "sys.argv = ['localbucket', *sys.argv[1:]]\n"
+    "localbucket.main()\n"
+)
+
+
+def localbucket_available() -> str | None:
+    """None when ``localbucket`` imports in this interpreter, else why not (for the log)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import localbucket; print(localbucket.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return lines[-1] if lines else f"exit status {proc.returncode}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def localbucket_server(data_root: Path) -> Iterator[tuple[str, int]]:
+    """Run ``localbucket`` (PyPI; one file, no dependencies) on 127.0.0.1, a free port, keeping its
+    buckets as directories under ``data_root`` (created if missing); yield ``(url, pid)``.
+
+    The server is a process of its own (``python -c`` running ``localbucket.main()``), so its CPU
+    can be read apart from the runner's (:func:`benchmarks.cpu.process_cpu_s` on the pid). Its request log goes to
+    ``data_root``'s sibling ``localbucket.log``. On exit, however the body ends, it gets SIGTERM,
+    then SIGKILL after :data:`LOCALBUCKET_TIMEOUT_S`; it also gets SIGTERM if this process dies.
+    The caller removes ``data_root``. Credentials are not checked; requests must be path-style.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within :data:`LOCALBUCKET_TIMEOUT_S`
+            (the message carries the tail of its log).
+    """
+    data_root.mkdir(parents=True, exist_ok=True)
+    logfile = data_root.parent / "localbucket.log"
+    for _attempt in range(3):  # the free port may be taken between the probe and the bind
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k in _DAEMON_ENV_KEEP}
+        with open(logfile, "ab") as log_out:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _LOCALBUCKET_MAIN, str(data_root), "--port", str(port)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        url = f"http://127.0.0.1:{port}"
+        if _wait_listening(proc, port):
+            break
+        _stop(proc)
+        if "Address already in use" not in _tail(logfile):
+            raise RuntimeError(f"localbucket did not start at {url}:\n{_tail(logfile)}")
+    else:
+        raise RuntimeError(f"localbucket found no free port:\n{_tail(logfile)}")
+    log.info("localbucket (pid %d) serving %s at %s", proc.pid, data_root, url)
+    try:
+        yield url, proc.pid
+    finally:
+        _stop(proc)
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> bool:
+    deadline = time.monotonic() + LOCALBUCKET_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(LOCALBUCKET_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # -- FUSE mounts --------------------------------------------------------------------------
@@ -424,9 +526,12 @@ def _tail(path: Path) -> str:
 
 __all__ = [
     "DAEMON_EXIT_TIMEOUT_S",
+    "LOCALBUCKET_TIMEOUT_S",
     "MOUNT_TIMEOUT_S",
     "bindfs_mount",
     "ensure_fuse_tools",
+    "localbucket_available",
+    "localbucket_server",
     "make_bucket",
     "moto_server",
     "s3fs_mount",

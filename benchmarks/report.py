@@ -17,6 +17,11 @@ from typing import Any
 from .scale_report import section_for
 
 MIB = 1 << 20
+# What the report says about a store other than moto (whose line is in the machine paragraph).
+STORE_TEXT = {
+    "localbucket": "localbucket {version}: a small S3 server in a process of its own on 127.0.0.1, objects "
+    "in files on local disk, sharing the cores with the client.",
+}
 # Hand-written reading of the figures (which targets hold, which do not and why), appended to the report.
 NOTES = Path(__file__).with_name("report_notes.md")
 
@@ -36,8 +41,19 @@ NAIVE_S = ("naive_save_s", "naive_load_s")
 NAIVE_CPU = ("naive_save_cpu_s", "naive_load_cpu_s")
 GIB = 1 << 30
 
-# (state-dict kind, requested size in MiB, ranks): one section of the report.
-Combo = tuple[str, int, int]
+# (state-dict kind, requested size in MiB, ranks, S3 store): one section of the report.
+Combo = tuple[str, int, int, str]
+#: The store of results that predate --stores.
+DEFAULT_STORE = "moto"
+# The S3 server's CPU per timed call, as the cases report it (every rank reads the same server).
+STORE_CPU = (
+    "sync_save_store_cpu_s",
+    "load_store_cpu_s",
+    "upload_store_cpu_s",
+    "download_store_cpu_s",
+    "naive_save_store_cpu_s",
+    "naive_load_store_cpu_s",
+)
 
 
 def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Combo, str], list[dict[str, float]]]:
@@ -46,7 +62,8 @@ def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Comb
     per-kind sizes."""
     by_run: dict[tuple[Combo, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in results:
-        by_run[((r["kind"], r.get("size_mb", default_mb), r["ranks"]), r["name"], r["repeat"])].append(r)
+        combo = (r["kind"], r.get("size_mb", default_mb), r["ranks"], r.get("store", DEFAULT_STORE))
+        by_run[(combo, r["name"], r["repeat"])].append(r)
     rows: dict[tuple[Combo, str], list[dict[str, float]]] = defaultdict(list)
     for (combo, name, _rep), rs in by_run.items():
         row: dict[str, float] = {
@@ -62,7 +79,14 @@ def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Comb
             vals = [r[key] for r in rs if key in r]
             if vals:
                 row[key] = max(vals)
-        for key in ("sync_peak_extra_bytes", "async_peak_extra_bytes", "load_peak_extra_bytes"):
+        # One server seen by every rank over about the same window: the largest figure, not a sum.
+        for key in (
+            "store_cpu_s",
+            *STORE_CPU,
+            "sync_peak_extra_bytes",
+            "async_peak_extra_bytes",
+            "load_peak_extra_bytes",
+        ):
             vals = [r[key] for r in rs if key in r]
             if vals:
                 row[key] = max(vals)
@@ -119,10 +143,11 @@ def target_ratios(
     return rows
 
 
-def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list[tuple[str, str, str, str, str]]:
-    """(path, sync save s, save client CPU-s/GiB, load s, load client CPU-s/GiB) for one combo: every
-    case that measured CPU, the naive staged path and raw boto3 on our files (from the boto3 case).
-    CPU is per GiB of checkpoint, summed over the ranks' processes (the store's CPU is not in it)."""
+def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list[tuple[str, ...]]:
+    """(path, sync save s, save client CPU-s/GiB, save store CPU-s/GiB, load s, load client CPU-s/GiB,
+    load store CPU-s/GiB) for one combo: every case that measured CPU, the naive staged path and raw
+    boto3 on our files (from the boto3 case). Client CPU is per GiB of checkpoint, summed over the
+    ranks' processes; store CPU is the S3 server's over the same calls ("-" where not measured)."""
 
     def per_gib(row: dict[str, float], key: str) -> str:
         return _fmt(row[key] / (row["bytes"] / GIB)) if key in row else "-"
@@ -138,8 +163,10 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                         "naive staged: FileSystemWriter to local disk, then boto3",
                         _fmt(row["naive_save_s"]),
                         per_gib(row, "naive_save_cpu_s"),
+                        per_gib(row, "naive_save_store_cpu_s"),
                         _fmt(row.get("naive_load_s")),
                         per_gib(row, "naive_load_cpu_s"),
+                        per_gib(row, "naive_load_store_cpu_s"),
                     )
                 )
             if "upload_cpu_s" in row:
@@ -148,8 +175,10 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                         "raw boto3 on our files (transfer only)",
                         _fmt(row["upload_s"]),
                         per_gib(row, "upload_cpu_s"),
+                        per_gib(row, "upload_store_cpu_s"),
                         _fmt(row["download_s"]),
                         per_gib(row, "download_cpu_s"),
+                        per_gib(row, "download_store_cpu_s"),
                     )
                 )
         elif "sync_save_cpu_s" in row:
@@ -158,8 +187,10 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                     name,
                     _fmt(row["sync_save_s"]),
                     per_gib(row, "sync_save_cpu_s"),
+                    per_gib(row, "sync_save_store_cpu_s"),
                     _fmt(row.get("load_s")),
                     per_gib(row, "load_cpu_s"),
+                    per_gib(row, "load_store_cpu_s"),
                 )
             )
     return out
@@ -177,7 +208,7 @@ def _plot(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo, path: Path
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    kind, _size_mb, ranks = combo
+    kind, _size_mb, ranks, store = combo
     names = [n for (c, n) in m if c == combo and n != "boto3"]
     if not names:
         return False
@@ -195,7 +226,7 @@ def _plot(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo, path: Path
     ax.set_xticks([x + width for x in range(len(names))], names, rotation=20)
     ax.set_ylabel("seconds (median)")
     size = m[(combo, names[0])]["bytes"] / MIB
-    ax.set_title(f"{kind} state dict, {size:.0f} MiB, {ranks} rank{'s' if ranks > 1 else ''}")
+    ax.set_title(f"{kind} state dict, {size:.0f} MiB, {ranks} rank{'s' if ranks > 1 else ''}, {store}")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,10 +258,16 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         lines += [raw["note"], ""]
     if raw.get("skipped_cases"):
         lines += [f"Not run (package does not import here): {', '.join(raw['skipped_cases'])}.", ""]
-    combos = sorted({c for (c, _n) in m})
+    if raw.get("store_note"):
+        lines += [raw["store_note"] + ".", ""]
+    # Each combo's sections together, moto's first (it also has the FUSE cases).
+    combos = sorted({c for (c, _n) in m}, key=lambda c: (c[:3], c[3] != DEFAULT_STORE, c[3]))
     for combo in combos:
-        kind, size_mb, ranks = combo
-        lines += [f"## {kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}", ""]
+        kind, size_mb, ranks, store = combo
+        lines += [f"## {kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}, {store} store", ""]
+        if store != DEFAULT_STORE:
+            text = STORE_TEXT.get(store, store).format(version=mach.get(store, ""))
+            lines += [f"{text} Only the direct-S3 cases run on it.", ""]
         lines += [
             "| case | blocked s | to .metadata s | load s | sync-save peak extra MiB | async peak extra MiB | "
             "MB/s to .metadata | MB/s load |",
@@ -266,15 +303,25 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
             lines += [
                 "",
                 "Synchronous `dcp.save` then `dcp.load`, with the client's CPU (user + system seconds of "
-                "every rank's process per GiB of checkpoint; the S3 server's CPU is not in it):",
+                "every rank's process per GiB of checkpoint) and, apart, the S3 server's CPU over the same "
+                f"calls (the {store} server's process, per GiB of checkpoint"
+                + (
+                    "; moto runs in the benchmark runner's process, which only waits meanwhile"
+                    if store == "moto"
+                    else ""
+                )
+                + "; 10 ms clock ticks, so small checkpoints read coarsely):",
                 "",
-                "| path | save s | save CPU-s/GiB | load s | load CPU-s/GiB |",
-                "|---|---|---|---|---|",
+                "| path | save s | save CPU-s/GiB | save store CPU-s/GiB | load s | load CPU-s/GiB "
+                "| load store CPU-s/GiB |",
+                "|---|---|---|---|---|---|---|",
                 *(f"| {' | '.join(r)} |" for r in cpu),
             ]
-        png = path.parent / path.stem / f"{kind}-{size_mb}mib-{ranks}rank.png"
+        suffix = "" if store == DEFAULT_STORE else f"-{store}"
+        png = path.parent / path.stem / f"{kind}-{size_mb}mib-{ranks}rank{suffix}.png"
         if _plot(m, combo, png):
-            lines += ["", f"![{kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}]({path.stem}/{png.name})"]
+            alt = f"{kind}, {size_mb} MiB, {ranks} rank{'s' if ranks > 1 else ''}, {store}"
+            lines += ["", f"![{alt}]({path.stem}/{png.name})"]
         lines.append("")
     notes = NOTES.read_text().strip() if NOTES.exists() else ""
     # The notes read one particular run's figures: attach them only to that run's report.

@@ -22,6 +22,19 @@ repeat by repeat so that drift on the machine hits them alike:
 ``boto3``           raw boto3 upload/download of the same bytes (the store's limit)
 ==================  ===========================================================================
 
+Stores (``--stores``): every case runs against ``moto`` (the S3 server above, objects in memory,
+threads of this process). The direct-S3 cases (the headline rows: ``uc-s3``, ``boto3`` with the naive
+staged path, ``s3tc``, ``fsspec-s3``) also run against ``localbucket`` (PyPI, in the ``bench`` extra: a
+small disk-backed S3 server, several times moto's download speed), started as a process of its own on
+a free port with a data root under the scratch directory, so that the store's limits can be told apart
+from the clients' costs. localbucket rejects keys ending in "/", so s3fs-fuse cannot mount it: the FUSE
+cases run on moto only. Each result carries its ``store``; the report has a section per store.
+
+Store CPU: ``store_cpu_s`` is the S3 server's user + system CPU over the whole case run (moto: this
+process's own ``os.times()``, as moto runs in it and this process only waits meanwhile; localbucket:
+``/proc/<pid>/stat``), and the cases split it per timed call (``*_store_cpu_s``, see
+:mod:`benchmarks.case`).
+
 Results: ``docs/benchmarks.json`` (every run), ``docs/benchmarks.md`` (medians, the targets' ratios,
 the machine) and ``docs/benchmarks/*.png``. Needs root for the FUSE mounts (s3fs and bindfs are
 installed with apt-get when missing) and for dropping the page cache before loads.
@@ -45,6 +58,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from .cpu import STORE_PID_ENV, process_cpu_s, self_cpu_s
+
 log = logging.getLogger("benchmarks.run")
 REPO = Path(__file__).resolve().parent.parent
 FUSE_BUCKET = "fusebench"
@@ -52,14 +67,24 @@ DIRECT_BUCKET = "directbench"
 
 KINDS = ("gpt", "small")
 CASES = ("uc-s3", "uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs", "fs-local", "fsspec-s3", "s3tc", "boto3")
+#: The cases that talk S3 directly (no FUSE mount, no local disk): the ones run on every store.
+DIRECT_CASES = ("uc-s3", "fsspec-s3", "s3tc", "boto3")
+STORES = ("moto", "localbucket")
+# The fake credentials every case uses (neither server checks them); a developer's session token or
+# profile must not mix with them.
+_FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+_CLEARED_AWS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE")
 
 
-def case_env(endpoint_url: str, staging: Path) -> dict[str, str]:
-    """The environment every case process runs in: this checkout, the S3 server, one thread per
-    op (the cases share the machine's cores), a staging directory of the run's own."""
+def case_env(endpoint_url: str, staging: Path, store_pid: int) -> dict[str, str]:
+    """The environment every case process runs in: this checkout, the S3 server (its URL, the fake
+    keys, the pid of its process for the store-CPU figures), one thread per op (the cases share the
+    machine's cores), a staging directory of the run's own."""
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in _CLEARED_AWS},
+        **_FAKE_AWS,
         "AWS_ENDPOINT_URL": endpoint_url,
+        STORE_PID_ENV: str(store_pid),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "UC_CHECKPOINT_STAGING_DIR": str(staging),
@@ -102,9 +127,17 @@ def parse_kind(spec: str, default_mb: int) -> tuple[str, int]:
 
 
 def run_case(
-    name: str, ranks: int, kind: str, size_mb: int, dirs: dict[str, Path], env: dict[str, str], timeout: float
+    name: str,
+    ranks: int,
+    kind: str,
+    size_mb: int,
+    dirs: dict[str, Path],
+    env: dict[str, str],
+    timeout: float,
+    store: str = "moto",
 ) -> list[dict[str, Any]]:
-    """Run one case in a fresh process or torchrun job; returns one result dict per rank."""
+    """Run one case in a fresh process or torchrun job against ``store`` (whose server's pid is in
+    ``env``); returns one result dict per rank, each with the store and its CPU over the run."""
     run_id = uuid.uuid4().hex[:10]
     case, dest, visible = case_plan(name, run_id, dirs)
     out = dirs["work"] / f"result-{run_id}.json"
@@ -129,34 +162,45 @@ def run_case(
     else:
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
         cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", "-m", "benchmarks.case", *args]
-    started = time.perf_counter()
+    store_pid = int(env[STORE_PID_ENV])
+    # moto serves from threads of this process, which only waits for the case meanwhile.
+    store_cpu = self_cpu_s if store_pid == os.getpid() else (lambda: process_cpu_s(store_pid))
+    started, cpu0 = time.perf_counter(), store_cpu()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 120)
+    store_cpu_s = store_cpu() - cpu0
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"benchmark case {name} ({ranks} ranks) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise RuntimeError(
+            f"benchmark case {name} ({ranks} ranks, {store}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
     results = json.loads(out.read_text())
     for r in results:
         r["name"] = name
+        r["store"] = store
+        r["store_cpu_s"] = store_cpu_s
         r["wall_s"] = time.perf_counter() - started
-    _clean_case(name, run_id, dest, dirs, env)
+    _clean_case(name, run_id, dirs, env, store)
     out.unlink()
     return results
 
 
-def _clean_case(name: str, run_id: str, dest: str, dirs: dict[str, Path], env: dict[str, str]) -> None:
+def _clean_case(name: str, run_id: str, dirs: dict[str, Path], env: dict[str, str], store: str) -> None:
     """Delete what a case wrote (moto holds objects in memory; disks are small)."""
-    import boto3
+    from .mounts import s3_client
 
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
-    for bucket in (DIRECT_BUCKET, FUSE_BUCKET):
+    client = s3_client(env["AWS_ENDPOINT_URL"])
+    for bucket in (DIRECT_BUCKET, FUSE_BUCKET) if name not in DIRECT_CASES else (DIRECT_BUCKET,):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{run_id}/"):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
+            if keys and store == "localbucket":
+                for key in keys:  # localbucket has no DeleteObjects
+                    client.delete_object(Bucket=bucket, Key=key["Key"])
+            elif keys:
                 client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
     for root in (dirs["bind_src"], dirs["local"]):
         shutil.rmtree(root / run_id, ignore_errors=True)
 
 
-def machine() -> dict[str, Any]:
+def machine(stores: list[str]) -> dict[str, Any]:
     """What the report says about where it ran."""
     import boto3
     import moto
@@ -181,7 +225,29 @@ def machine() -> dict[str, Any]:
         "boto3": boto3.__version__,
         "moto": moto.__version__,
         "s3fs_fuse": s3fs,
+        **({"localbucket": _localbucket_version()} if "localbucket" in stores else {}),
     }
+
+
+def _localbucket_version() -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import localbucket; print(localbucket.__version__)"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "?"
+
+
+def _pick_stores(wanted: list[str] | None, why_not: Any) -> tuple[list[str], str]:
+    """(stores to run, a line for the log and report or ""). ``wanted`` None: both stores when
+    localbucket imports, else moto alone. ``why_not()``: None when localbucket can run, else why not;
+    asking for localbucket by name when it cannot run is an error (SystemExit)."""
+    if wanted is not None and "localbucket" not in wanted:
+        return list(dict.fromkeys(wanted)), ""
+    reason = why_not()
+    if reason is None:
+        return list(dict.fromkeys(wanted or STORES)), ""
+    if wanted is not None:
+        raise SystemExit(f"--stores localbucket: it cannot run here ({reason}); pip install localbucket")
+    return ["moto"], f"localbucket store not run: it does not import here ({reason}); pip install localbucket"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes (default 1 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument(
+        "--stores",
+        nargs="+",
+        choices=STORES,
+        help="S3 servers to run against (default: both when localbucket imports, else moto); "
+        f"on localbucket only the direct-S3 cases run ({', '.join(DIRECT_CASES)})",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take")
     p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"))
     p.add_argument("--workdir", help="scratch directory (default: a new temp dir, removed afterwards)")
@@ -211,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     # unwinds the ExitStack below.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    from .mounts import bindfs_mount, ensure_fuse_tools, make_bucket, moto_server, s3fs_mount
+    from .mounts import (
+        bindfs_mount,
+        ensure_fuse_tools,
+        localbucket_available,
+        localbucket_server,
+        make_bucket,
+        moto_server,
+        s3fs_mount,
+    )
     from .report import write_report
 
     cases = [
@@ -223,40 +304,61 @@ def main(argv: list[str] | None = None) -> int:
     skipped = sorted(set(args.cases) - set(cases))
     if skipped:
         log.info("skipping %s: the package does not import in this environment", ", ".join(skipped))
-    ensure_fuse_tools()
+    stores, store_note = _pick_stores(args.stores, localbucket_available)
+    if store_note:
+        log.info("%s", store_note)
+    # FUSE mounts (and their tools) only for the cases that use them, which run on moto only.
+    fuse = "moto" in stores and any(c not in DIRECT_CASES for c in cases)
+    if fuse:
+        ensure_fuse_tools()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="uc-bench-"))
     results: list[dict[str, Any]] = []
     with ExitStack() as stack:
         if not args.workdir:
             stack.callback(shutil.rmtree, work, ignore_errors=True)  # last, after the unmounts
-        url = stack.enter_context(moto_server())
-        make_bucket(url, FUSE_BUCKET)
-        make_bucket(url, DIRECT_BUCKET)
         dirs = {"work": work, "local": work / "local", "bind_src": work / "bind-src", "staging": work / "staging"}
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
-        dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
-        dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
-        env = case_env(url, dirs["staging"])
+        envs: dict[str, dict[str, str]] = {}
+        if "moto" in stores:
+            url = stack.enter_context(moto_server())
+            make_bucket(url, FUSE_BUCKET)
+            make_bucket(url, DIRECT_BUCKET)
+            if fuse:
+                dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
+                dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
+            envs["moto"] = case_env(url, dirs["staging"], os.getpid())
+        if "localbucket" in stores:
+            lb_url, lb_pid = stack.enter_context(localbucket_server(work / "localbucket" / "data"))
+            make_bucket(lb_url, DIRECT_BUCKET)
+            envs["localbucket"] = case_env(lb_url, dirs["staging"], lb_pid)
         for repeat in range(args.repeats):
             for kind, size_mb in sets:
                 for ranks in args.ranks:
-                    for name in cases:
-                        log.info(
-                            "repeat %d/%d: %s, %s %d MiB, %d rank(s)",
-                            repeat + 1,
-                            args.repeats,
-                            name,
-                            kind,
-                            size_mb,
-                            ranks,
-                        )
-                        for r in run_case(name, ranks, kind, size_mb, dirs, env, args.timeout):
-                            r["repeat"] = repeat
-                            r["size_mb"] = size_mb
-                            results.append(r)
+                    for store in stores:
+                        for name in (c for c in cases if store == "moto" or c in DIRECT_CASES):
+                            log.info(
+                                "repeat %d/%d: %s on %s, %s %d MiB, %d rank(s)",
+                                repeat + 1,
+                                args.repeats,
+                                name,
+                                store,
+                                kind,
+                                size_mb,
+                                ranks,
+                            )
+                            for r in run_case(name, ranks, kind, size_mb, dirs, envs[store], args.timeout, store):
+                                r["repeat"] = repeat
+                                r["size_mb"] = size_mb
+                                results.append(r)
     report = Path(args.report)
-    raw = {"machine": machine(), "args": vars(args), "skipped_cases": skipped, "results": results}
+    raw = {
+        "machine": machine(stores),
+        "args": {**vars(args), "stores": stores},
+        "skipped_cases": skipped,
+        "store_note": store_note,
+        "results": results,
+    }
     report.parent.mkdir(parents=True, exist_ok=True)
     report.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     write_report(raw, report)

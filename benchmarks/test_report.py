@@ -1,4 +1,5 @@
-"""The report's arithmetic: medians per (kind, size, ranks), the target ratios, the --kinds syntax."""
+"""The report's arithmetic: medians per (kind, size, ranks, store), the target ratios, client and store
+CPU, the --kinds and --stores choices."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.report import cpu_rows, medians, target_ratios, write_report
-from benchmarks.run import parse_kind
+from benchmarks.run import _pick_stores, parse_kind
 
 MIB = 1 << 20
 
@@ -49,9 +50,10 @@ def _run(size_mb: int, scale: float) -> list[dict]:
 def test_ratios_are_medians_per_size(tmp_path: Path) -> None:
     results = _run(256, 1.0) + _run(1024, 4.0)
     m = medians(results)
-    assert {c for c, _ in m} == {("gpt", 256, 1), ("gpt", 1024, 1)}
-    assert m[(("gpt", 256, 1), "uc-s3")]["publish_s"] == pytest.approx(1.0)  # median of 1.0, 1.5, 0.9
-    rows = {label: (got, ok) for label, _want, got, ok in target_ratios(m, ("gpt", 1024, 1))}
+    # Results without a store (runs before --stores) are moto's.
+    assert {c for c, _ in m} == {("gpt", 256, 1, "moto"), ("gpt", 1024, 1, "moto")}
+    assert m[(("gpt", 256, 1, "moto"), "uc-s3")]["publish_s"] == pytest.approx(1.0)  # median of 1.0, 1.5, 0.9
+    rows = {label: (got, ok) for label, _want, got, ok in target_ratios(m, ("gpt", 1024, 1, "moto"))}
     assert rows["async_save blocked time vs an in-memory copy"] == ("1.20x", True)
     assert rows["time to .metadata: FileSystemWriter on s3fs / ours to S3"] == ("3.50x", True)
     # upload: raw 3.2 s against ours 4.0 - 0.12 s after the blocked part
@@ -79,7 +81,7 @@ def test_ratios_are_medians_per_size(tmp_path: Path) -> None:
     }
     write_report(raw, report)
     text = report.read_text()
-    assert "## gpt, 256 MiB, 1 rank" in text and "## gpt, 1024 MiB, 1 rank" in text
+    assert "## gpt, 256 MiB, 1 rank, moto store" in text and "## gpt, 1024 MiB, 1 rank, moto store" in text
     assert "requested sizes gpt:256, gpt:1024" in text
 
 
@@ -91,19 +93,31 @@ def test_kind_specs() -> None:
             parse_kind(bad, 256)
 
 
-def test_cpu_rows_are_per_gib_summed_over_ranks() -> None:
-    # Two ranks of 128 MiB each (256 MiB in all): CPU seconds add up over the ranks' processes.
+def _cpu_results(store: str, store_cpu: float) -> list[dict]:
+    """Two ranks of 128 MiB each (256 MiB in all) of uc-s3 and boto3 on ``store``."""
     results = []
     for rank in (0, 1):
-        base = {"kind": "gpt", "size_mb": 256, "ranks": 2, "repeat": 0, "rank_bytes": 128 * MIB, "memcopy_s": 0.1}
+        base = {
+            "kind": "gpt",
+            "size_mb": 256,
+            "ranks": 2,
+            "repeat": 0,
+            "rank_bytes": 128 * MIB,
+            "memcopy_s": 0.1,
+            "store": store,
+            "store_cpu_s": 3.0 * store_cpu,
+        }
         results.append(
             {
                 **base,
                 "name": "uc-s3",
                 "sync_save_s": 1.0 + rank,
                 "sync_save_cpu_s": 0.5,
+                # every rank reads the same server: the report takes the largest, not the sum
+                "sync_save_store_cpu_s": store_cpu + 0.25 * rank,
                 "load_s": 0.5,
                 "load_cpu_s": 0.25,
+                "load_store_cpu_s": store_cpu / 2,
             }
         )
         results.append(
@@ -114,14 +128,86 @@ def test_cpu_rows_are_per_gib_summed_over_ranks() -> None:
                 "download_s": 0.6,
                 "upload_cpu_s": 0.125,
                 "download_cpu_s": 0.125,
+                "upload_store_cpu_s": store_cpu,
+                "download_store_cpu_s": store_cpu / 4,
                 "naive_save_s": 2.0,
                 "naive_save_cpu_s": 1.0,
                 "naive_load_s": 1.5,
                 "naive_load_cpu_s": 0.5,
             }
         )
-    rows = {r[0]: r[1:] for r in cpu_rows(medians(results), ("gpt", 256, 2))}
-    # 0.25 GiB in all: uc 1.0 CPU-s of save -> 4.00 per GiB; the slowest rank's time.
-    assert rows["uc-s3"] == ("2.00", "4.00", "0.50", "2.00")
-    assert rows["naive staged: FileSystemWriter to local disk, then boto3"] == ("2.00", "8.00", "1.50", "4.00")
-    assert rows["raw boto3 on our files (transfer only)"] == ("0.80", "1.00", "0.60", "1.00")
+    return results
+
+
+def test_cpu_rows_are_per_gib_summed_over_ranks() -> None:
+    # Client CPU seconds add up over the ranks' processes; the store's is one server's (the max).
+    m = medians(_cpu_results("moto", 0.5) + _cpu_results("localbucket", 0.25))
+    rows = {r[0]: r[1:] for r in cpu_rows(m, ("gpt", 256, 2, "moto"))}
+    # 0.25 GiB in all: uc 1.0 CPU-s of save -> 4.00 per GiB; the slowest rank's time; store 0.75 s
+    # (rank 1's 0.5 + 0.25) -> 3.00 per GiB.
+    assert rows["uc-s3"] == ("2.00", "4.00", "3.00", "0.50", "2.00", "1.00")
+    # no store CPU measured for the naive path here: "-"
+    assert rows["naive staged: FileSystemWriter to local disk, then boto3"] == (
+        "2.00",
+        "8.00",
+        "-",
+        "1.50",
+        "4.00",
+        "-",
+    )
+    assert rows["raw boto3 on our files (transfer only)"] == ("0.80", "1.00", "2.00", "0.60", "1.00", "0.50")
+    lb = {r[0]: r[1:] for r in cpu_rows(m, ("gpt", 256, 2, "localbucket"))}
+    assert lb["uc-s3"] == ("2.00", "4.00", "2.00", "0.50", "2.00", "0.50")
+    assert m[(("gpt", 256, 2, "localbucket"), "uc-s3")]["store_cpu_s"] == pytest.approx(0.75)
+
+
+def test_report_has_a_section_per_store(tmp_path: Path) -> None:
+    results = _cpu_results("moto", 0.5) + _cpu_results("localbucket", 0.25)
+    for r in results:
+        r.update(blocked_s=0.1, publish_s=1.0, sync_peak_extra_bytes=MIB)
+    raw = {
+        "machine": {
+            "date": "D",
+            "cpu": "c",
+            "cores": 2,
+            "memory_gib": 1,
+            "kernel": "k",
+            "python": "p",
+            "torch": "t",
+            "boto3": "b",
+            "moto": "m",
+            "s3fs_fuse": "s",
+            "localbucket": "9.9",
+        },
+        "args": {"size_mb": 256, "kinds": ["gpt"], "ranks": [2], "repeats": 1, "stores": ["moto", "localbucket"]},
+        "results": results,
+    }
+    report = tmp_path / "bench.md"
+    write_report(raw, report)
+    text = report.read_text()
+    moto_at = text.index("## gpt, 256 MiB, 2 ranks, moto store")
+    lb_at = text.index("## gpt, 256 MiB, 2 ranks, localbucket store")
+    assert moto_at < lb_at  # moto's section first
+    assert "localbucket 9.9: a small S3 server" in text[lb_at:]
+    # the headline rows once per store, each with its store's CPU
+    assert text.count("| uc-s3 | 2.00 | 4.00 | 3.00 | 0.50 | 2.00 | 1.00 |") == 1
+    assert text.count("| uc-s3 | 2.00 | 4.00 | 2.00 | 0.50 | 2.00 | 0.50 |") == 1
+    assert text.index("| uc-s3 | 2.00 | 4.00 | 2.00 |") > lb_at > text.index("| uc-s3 | 2.00 | 4.00 | 3.00 |")
+    assert text.count("| boto3 (raw upload / download) |") == 2
+    assert "| save store CPU-s/GiB |" in text
+
+
+def test_store_choice() -> None:
+    def works() -> None:
+        return None
+
+    def broken() -> str:
+        return "ModuleNotFoundError: No module named 'localbucket'"
+
+    assert _pick_stores(None, works) == (["moto", "localbucket"], "")
+    stores, note = _pick_stores(None, broken)
+    assert stores == ["moto"] and "No module named 'localbucket'" in note
+    assert _pick_stores(["moto"], broken) == (["moto"], "")  # not asked for: not probed
+    assert _pick_stores(["localbucket"], works) == (["localbucket"], "")
+    with pytest.raises(SystemExit, match="cannot run here"):
+        _pick_stores(["moto", "localbucket"], broken)
