@@ -76,15 +76,15 @@ _FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 _CLEARED_AWS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE")
 
 
-def case_env(endpoint_url: str, staging: Path, store_pid: int) -> dict[str, str]:
+def case_env(endpoint_url: str, staging: Path, store_pid: int | None = None) -> dict[str, str]:
     """The environment every case process runs in: this checkout, the S3 server (its URL, the fake
-    keys, the pid of its process for the store-CPU figures), one thread per op (the cases share the
-    machine's cores), a staging directory of the run's own."""
+    keys, and with ``store_pid`` the pid of its process for the store-CPU figures), one thread per op
+    (the cases share the machine's cores), a staging directory of the run's own."""
     return {
         **{k: v for k, v in os.environ.items() if k not in _CLEARED_AWS},
         **_FAKE_AWS,
         "AWS_ENDPOINT_URL": endpoint_url,
-        STORE_PID_ENV: str(store_pid),
+        **({STORE_PID_ENV: str(store_pid)} if store_pid is not None else {}),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "UC_CHECKPOINT_STAGING_DIR": str(staging),
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         moto_server,
         s3fs_mount,
     )
-    from .report import write_report
+    from .report import update_readme, write_report
 
     cases = [
         c
@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     report.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     write_report(raw, report)
     log.info("wrote %s", report)
+    if report.resolve() == (REPO / "docs" / "benchmarks.md").resolve() and update_readme(raw, REPO / "README.md"):
+        log.info("updated the latest-run figures in README.md")
     return 0
 
 

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import cpu_rows, medians, target_ratios, write_report
+from benchmarks.report import (
+    README_BEGIN,
+    README_END,
+    cost_targets,
+    cpu_rows,
+    medians,
+    target_ratios,
+    update_readme,
+    write_report,
+)
 from benchmarks.run import _pick_stores, parse_kind
 
 MIB = 1 << 20
@@ -211,3 +220,80 @@ def test_store_choice() -> None:
     assert _pick_stores(["localbucket"], works) == (["localbucket"], "")
     with pytest.raises(SystemExit, match="cannot run here"):
         _pick_stores(["moto", "localbucket"], broken)
+
+
+def _costs(size_mb: int, uc_save: float, naive_save: float) -> list[dict]:
+    gib = size_mb / 1024
+    out = []
+    for rep in range(3):
+        out += [
+            _result(
+                "uc-s3",
+                rep,
+                size_mb,
+                blocked_s=0.1,
+                publish_s=uc_save,
+                sync_save_s=uc_save,
+                sync_save_cpu_s=3.0 * gib,
+                load_s=0.5,
+                load_cpu_s=2.0 * gib,
+            ),
+            _result(
+                "boto3",
+                rep,
+                size_mb,
+                upload_s=0.7,
+                download_s=0.6,
+                upload_cpu_s=1.8 * gib,
+                download_cpu_s=1.6 * gib,
+                naive_save_s=naive_save,
+                naive_save_cpu_s=3.2 * gib,
+            ),
+            _result(
+                "s3tc",
+                rep,
+                size_mb,
+                blocked_s=0.1,
+                publish_s=2.0,
+                sync_save_s=2.0,
+                sync_save_cpu_s=2.5 * gib,
+                load_s=1.5,
+            ),
+        ]
+    return out
+
+
+def test_cost_targets_follow_the_issues_rules_by_size() -> None:
+    m = medians(_costs(256, uc_save=0.8, naive_save=1.0) + _costs(32, uc_save=0.3, naive_save=0.2))
+    big = {label: (want, got, ok) for label, want, got, ok in cost_targets(m, ("gpt", 256, 1, "moto"))}
+    assert big["save client CPU vs the naive staged path"] == ("<= 1.0x", "0.94x", True)
+    assert big["sync save speed vs the naive staged path (the overlap pays)"] == (">= 1.15x", "1.25x", True)
+    assert big["load speed vs raw boto3 download of the same objects"] == (">= 1.1x", "1.20x", True)
+    assert big["load client CPU vs raw boto3 download"] == ("<= 1.0x", "1.25x", False)
+    assert big["save client CPU vs s3torchconnector (aim)"] == ("<= 1.5x", "1.20x", True)
+    assert big["load speed vs s3torchconnector"] == (">= 1x", "3.00x", True)
+    small = {label: (got, ok) for label, _w, got, ok in cost_targets(m, ("gpt", 32, 1, "moto"))}
+    # A small save is judged by its fixed costs: at most 1.2x the naive path's time.
+    assert small["sync save time vs the naive staged path (fixed per-save costs)"] == ("1.50x", False)
+
+
+def test_the_readme_block_is_replaced_and_only_between_its_markers(tmp_path: Path) -> None:
+    raw = {
+        "machine": {"date": "2026-12-01 01:00 UTC", "cores": 2},
+        "args": {"size_mb": 256},
+        "results": _costs(256, uc_save=0.8, naive_save=1.0),
+    }
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{README_BEGIN}\nold figures\n{README_END}\nafter\n")
+    assert update_readme(raw, readme)
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n") and text.endswith("after\n") and "old figures" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| moto | 256 |"))
+    # ours 0.80 s at 3.0 CPU-s/GiB; naive 1.00 s at 3.2; raw boto3 0.70 s at 1.8; s3tc 2.00 s at 2.5
+    assert row.startswith(
+        "| moto | 256 | 0.80 (3.0) | 1.00 (3.2) | 0.70 (1.8) | 2.00 (2.5) | 0.50 (2.0) | 0.60 (1.6) |"
+    )
+    assert update_readme(raw, readme) and readme.read_text() == text  # idempotent
+    plain = tmp_path / "OTHER.md"
+    plain.write_text("no markers\n")
+    assert not update_readme(raw, plain) and plain.read_text() == "no markers\n"

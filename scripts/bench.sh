@@ -2,7 +2,9 @@
 # Set up (with the benchmark extras), then regenerate every benchmark report: the checkpoint benchmark
 # (`python -m benchmarks.run`: docs/benchmarks.md) and the scale benchmark (`python -m benchmarks.scale`:
 # docs/benchmarks-scale.md, docs/benchmarks/scale*.{json,png} and the Scale section of docs/benchmarks.md)
-# and where the client CPU goes (`python -m benchmarks.profile`: docs/benchmarks-profile.md).
+# where the client CPU goes (`python -m benchmarks.profile`: docs/benchmarks-profile.md) and staging
+# for async_save against DCP's DefaultStager (`python -m benchmarks.staging`: docs/benchmarks-staging.md;
+# --skip-profile skips both).
 #
 #   ./scripts/bench.sh [--skip-run] [--skip-scale] [--skip-profile] [RUN ARGS...] [--scale SCALE ARGS...]
 #
@@ -31,4 +33,5 @@ if ((scale)); then
 fi
 if ((profile)); then
     .venv/bin/python -m benchmarks.profile
+    .venv/bin/python -m benchmarks.staging --report docs/benchmarks-staging.md
 fi

@@ -388,30 +388,20 @@ class CheckpointManager:
     ) -> tuple[Future, Future | None]:
         """Start DCP's save: a future of its ``Metadata`` (already complete for a sync save) and,
         with async staging, the future of the staged copy."""
+        common: dict[str, Any] = {"storage_writer": writer, "process_group": group, "planner": UCSavePlanner()}
         if asynchronous:
             mode = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
             if self.async_staging:
                 response = dcp.async_save(
-                    state_dict,
-                    storage_writer=writer,
-                    process_group=group,
-                    async_checkpointer_type=mode,
-                    async_stager=BackgroundStager(),
-                    planner=UCSavePlanner(),
+                    state_dict, async_checkpointer_type=mode, async_stager=BackgroundStager(), **common
                 )
                 assert isinstance(response, AsyncSaveResponse)  # the stager returns a future
                 return response.upload_completion, response.staging_completion
-            fut = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                process_group=group,
-                async_checkpointer_type=mode,
-                planner=UCSavePlanner(),
-            )
+            fut = dcp.async_save(state_dict, async_checkpointer_type=mode, **common)
             assert isinstance(fut, Future)  # our writer stages synchronously: the copy is done
             return fut, None
         done: Future = Future()
-        done.set_result(dcp.save(state_dict, storage_writer=writer, process_group=group, planner=UCSavePlanner()))
+        done.set_result(dcp.save(state_dict, **common))
         return done, None
 
     def _on_saved(self, pending: _PendingSave, fut: Future) -> None:
