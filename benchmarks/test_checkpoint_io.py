@@ -57,7 +57,7 @@ def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, 
         if no_fuse is None:
             dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
             dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
-        env = case_env(url, dirs["staging"])
+        env = case_env(url, dirs["staging"], os.getpid())  # moto serves from threads of this process
         yield dirs, env, no_fuse
 
 
