@@ -55,23 +55,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import state
-from .cpu import store_cpu_s
+from .cpu import reset_peak_rss, rss_kib, self_cpu_s, store_cpu_s
 
 POLL_S = 0.005
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _cpu_s() -> float:
-    """User + system CPU seconds of this process so far, all threads (not children)."""
-    t = os.times()
-    return t.user + t.system
 
 
 def _put_store_cpu(out: dict[str, Any], key: str, before: float | None) -> None:
@@ -79,14 +65,6 @@ def _put_store_cpu(out: dict[str, Any], key: str, before: float | None) -> None:
     after = store_cpu_s()
     if before is not None and after is not None:
         out[key] = after - before
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
 
 
 def _drop_page_cache() -> None:
@@ -198,22 +176,22 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
         open_volume(args.dest).client  # noqa: B018 - built for its side effect
     # 1. synchronous save: memory without a staging copy
     gc.collect()
-    base = _rss_kib("VmRSS")
-    _reset_peak()
-    t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
+    base = rss_kib("VmRSS")
+    reset_peak_rss()
+    t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
     dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-sync"), planner=_planner(args.case))
     out["sync_save_s"] = time.perf_counter() - t0
-    out["sync_save_cpu_s"] = _cpu_s() - c0
+    out["sync_save_cpu_s"] = self_cpu_s() - c0
     _put_store_cpu(out, "sync_save_store_cpu_s", s0)
-    out["sync_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
+    out["sync_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 
     # 2. async save: blocked time and time until .metadata is on the volume
     if dist.is_initialized():
         dist.barrier()
     probe = _exists(args.visible) if rank == 0 else None
     gc.collect()
-    base = _rss_kib("VmRSS")
-    _reset_peak()
+    base = rss_kib("VmRSS")
+    reset_peak_rss()
     t0 = time.perf_counter()
     fut = dcp.async_save(sd, storage_writer=_writer(args.case, args.dest), planner=_planner(args.case))
     out["blocked_s"] = time.perf_counter() - t0
@@ -229,7 +207,7 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     result = fut.result() if not hasattr(fut, "upload_completion") else fut.upload_completion.result()
     del result
     out["async_done_s"] = time.perf_counter() - t0
-    out["async_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
+    out["async_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 
     # 3. load into zeros and compare
     if dist.is_initialized():
@@ -239,14 +217,14 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     if dist.is_initialized():
         dist.barrier()
     gc.collect()
-    base = _rss_kib("VmRSS")
-    _reset_peak()
-    t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
+    base = rss_kib("VmRSS")
+    reset_peak_rss()
+    t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
     dcp.load(target, storage_reader=_reader(args.case, args.dest))
     out["load_s"] = time.perf_counter() - t0
-    out["load_cpu_s"] = _cpu_s() - c0
+    out["load_cpu_s"] = self_cpu_s() - c0
     _put_store_cpu(out, "load_store_cpu_s", s0)
-    out["load_peak_extra_bytes"] = max(0, _rss_kib("VmHWM") - base) * 1024
+    out["load_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
     state.assert_equal(sd, target)
     out["verified"] = True
     return out
@@ -303,15 +281,15 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         out["file_bytes"] = sum(p.stat().st_size for p in files)
         out["files"] = len(files)
         barrier()
-        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
+        t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
         upload(files, prefix)
-        out["upload_s"], out["upload_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        out["upload_s"], out["upload_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
         _put_store_cpu(out, "upload_store_cpu_s", s0)
         barrier()
         _drop_page_cache()
-        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
+        t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
         download(files, prefix, Path(tmp) / f"dst{rank}")
-        out["download_s"], out["download_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        out["download_s"], out["download_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
         _put_store_cpu(out, "download_store_cpu_s", s0)
         for p in files:
             assert (Path(tmp) / f"dst{rank}" / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs"
@@ -319,24 +297,24 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         # The naive staged path: stock writer to local disk with as many files, then upload them.
         naive, naive_prefix = Path(tmp) / "naive", f"{prefix}-naive"
         barrier()
-        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
+        t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(naive), thread_count=max(1, len(files))))
         naive_files = sorted(p for p in naive.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
         upload(naive_files, naive_prefix)
         barrier()
-        out["naive_save_s"], out["naive_save_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        out["naive_save_s"], out["naive_save_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
         _put_store_cpu(out, "naive_save_store_cpu_s", s0)
         local = Path(tmp) / "naive-dst"
         _drop_page_cache()
         target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
         barrier()
-        t0, c0, s0 = time.perf_counter(), _cpu_s(), store_cpu_s()
+        t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
         download(naive_files, naive_prefix, local)
         if rank == 0:
             (local / ".metadata").write_bytes((naive / ".metadata").read_bytes())  # as a load would fetch it
         barrier()
         dcp.load(target, storage_reader=dcp.FileSystemReader(str(local)))
-        out["naive_load_s"], out["naive_load_cpu_s"] = time.perf_counter() - t0, _cpu_s() - c0
+        out["naive_load_s"], out["naive_load_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
         _put_store_cpu(out, "naive_load_store_cpu_s", s0)
         state.assert_equal(sd, target)
         barrier()  # rank 0 removes the shared directory on leaving

@@ -1,5 +1,5 @@
-"""CPU seconds of a process, for the benchmark's client and store figures (no heavy imports: the
-runner, its cases and the S3 server helpers all use it)."""
+"""CPU seconds and memory of a process, for the benchmark's client and store figures (no heavy
+imports: the runner, its cases and the S3 server helpers all use it)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,23 @@ def store_cpu_s() -> float | None:
         return process_cpu_s(int(pid))
     except (OSError, ValueError):
         return None
+
+
+def rss_kib(field: str) -> int:
+    """This process's ``/proc/self/status`` memory field ``field`` (``VmRSS``, ``VmHWM``) in KiB; 0
+    when absent."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS (``VmHWM``) over from its current RSS, where the kernel allows
+    it (``/proc/self/clear_refs``); otherwise the peak keeps counting from the process start."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass

@@ -6,7 +6,6 @@ gated by files so the profiler attaches to exactly that phase.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from .cpu import self_cpu_s
 
 
 def gpt_like(size_mb: int) -> dict[str, torch.Tensor]:
@@ -25,12 +26,6 @@ def gpt_like(size_mb: int) -> dict[str, torch.Tensor]:
         left -= n
         i += 1
     return sd
-
-
-def _cpu_s() -> float:
-    """User + system CPU seconds of this process so far, all threads."""
-    t = os.times()
-    return t.user + t.system
 
 
 def _gate(work: Path, phase: str) -> None:
@@ -48,17 +43,17 @@ def main() -> None:
     S3Volume(url).client  # noqa: B018 - botocore reads its models once per process, before sampling
     paths = [f"{url}/{uuid.uuid4().hex[:8]}" for _ in range(repeats)]
     _gate(work, "save")
-    c0 = _cpu_s()
+    c0 = self_cpu_s()
     for path in paths:
         dcp.save(sd, storage_writer=UCVolumeWriter(path))
-    (work / "save.cpu").write_text(str(_cpu_s() - c0))
+    (work / "save.cpu").write_text(str(self_cpu_s() - c0))
     (work / "save.done").touch()
     targets = [{k: torch.zeros_like(v) for k, v in sd.items()} for _ in paths]  # before sampling
     _gate(work, "load")
-    c0 = _cpu_s()
+    c0 = self_cpu_s()
     for path, target in zip(paths, targets):
         dcp.load(target, storage_reader=UCVolumeReader(path))
-    (work / "load.cpu").write_text(str(_cpu_s() - c0))
+    (work / "load.cpu").write_text(str(self_cpu_s() - c0))
     (work / "load.done").touch()
     for k, v in sd.items():
         assert torch.equal(targets[-1][k], v), k

@@ -41,15 +41,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import state
+from .cpu import self_cpu_s
 
 #: The key rank 0 looks up between the save and the load (see the module docstring).
 PHASE_MARK = "__scale_phase_mark__"
 POLL_S = 0.005
-
-
-def _cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def _barrier() -> None:
@@ -163,10 +159,10 @@ def save(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
         probe = threading.Thread(target=_probe, args=(args, t0_box, out, stop), daemon=True)
         probe.start()
     t0_box[0] = t0 = time.perf_counter()
-    c0 = _cpu_s()
+    c0 = self_cpu_s()
     dcp.save(sd, storage_writer=_writer(args), planner=_planner(args))
     out["save_s"] = time.perf_counter() - t0
-    out["save_cpu_s"] = _cpu_s() - c0
+    out["save_cpu_s"] = self_cpu_s() - c0
     if probe is not None:
         probe.join(timeout=30)
         stop.set()
@@ -213,10 +209,10 @@ def load(args: argparse.Namespace, expected: Any, mesh: Any) -> dict[str, Any]:
     target = build(args, mesh, zeros=True)
     gc.collect()
     _barrier()
-    t0, c0 = time.perf_counter(), _cpu_s()
+    t0, c0 = time.perf_counter(), self_cpu_s()
     dcp.load(target, storage_reader=_reader(args))
     out["load_s"] = time.perf_counter() - t0
-    out["load_cpu_s"] = _cpu_s() - c0
+    out["load_cpu_s"] = self_cpu_s() - c0
     state.assert_equal(expected, target)
     out["verified"] = True
     return out
@@ -249,10 +245,10 @@ def raw_download(args: argparse.Namespace) -> dict[str, Any]:
         multipart_chunksize=DEFAULT_PART_SIZE,
         max_concurrency=DEFAULT_MAX_CONCURRENCY,
     )
-    t0, c0 = time.perf_counter(), _cpu_s()
+    t0, c0 = time.perf_counter(), self_cpu_s()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda k: client.download_fileobj(bucket, k, _Discard(), Config=config), keys))
-    return {"raw_download_s": time.perf_counter() - t0, "raw_download_cpu_s": _cpu_s() - c0}
+    return {"raw_download_s": time.perf_counter() - t0, "raw_download_cpu_s": self_cpu_s() - c0}
 
 
 def main(argv: list[str] | None = None) -> int:

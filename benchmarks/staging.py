@@ -67,6 +67,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from uc_checkpoint import UCVolumeWriter
 from uc_checkpoint.dcp.stager import BackgroundStager
 
+from .cpu import reset_peak_rss, rss_kib
+
 log = logging.getLogger("benchmarks.staging")
 
 METHODS = (
@@ -117,22 +119,6 @@ def _tensors(sd: Any) -> list[torch.Tensor]:
     return [sd] if isinstance(sd, torch.Tensor) else []
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")  # VmHWM := VmRSS
-    except OSError:
-        pass
-
-
 def _settle() -> int:
     """Collect garbage and hand freed heap back (so the next peak starts from a clean base); the RSS."""
     gc.collect()
@@ -142,7 +128,7 @@ def _settle() -> int:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    return _rss_kib("VmRSS")
+    return rss_kib("VmRSS")
 
 
 def measure_copy(sd: Any, dst: list[torch.Tensor]) -> dict[str, float]:
@@ -185,7 +171,7 @@ def measure_save(sd: Any, method: str, dest: str, kept: dict[str, DefaultStager]
     writer = UCVolumeWriter(dest)
     staged_at: list[float] = []
     base = _settle()
-    _reset_peak()
+    reset_peak_rss()
     t0 = time.perf_counter()
     response = dcp.async_save(sd, storage_writer=writer, async_stager=stager)
     blocked = time.perf_counter() - t0
@@ -204,7 +190,7 @@ def measure_save(sd: Any, method: str, dest: str, kept: dict[str, DefaultStager]
     else:
         staged = blocked
         upload = response
-    peak = max(0, _rss_kib("VmHWM") - base) * 1024
+    peak = max(0, rss_kib("VmHWM") - base) * 1024
     upload.result()
     if stager is not None and not method.endswith("-reused"):
         stager.close()
@@ -231,9 +217,9 @@ def _memory_here(kind: str, method: str, scale: float) -> float:
     sd = build_state(kind, scale)
     if method == "clone":
         base = _settle()
-        _reset_peak()
+        reset_peak_rss()
         copy = _clone(sd)
-        peak = max(0, _rss_kib("VmHWM") - base) * 1024
+        peak = max(0, rss_kib("VmHWM") - base) * 1024
         del copy
         return float(peak)
     with tempfile.TemporaryDirectory(prefix="uc-staging-mem-") as tmp:
