@@ -77,3 +77,12 @@ def test_a_ranks_small_items_share_one_file_of_their_own(tmp_path: Path) -> None
     assert files[0][1] == "__0_tok_0.distcp"
     assert any(i.type == WriteItemType.BYTE_IO for i in first_items)
     assert SMALL_ITEM_BYTES >= 16 * 4
+
+
+def test_dcps_lowest_rank_rule_still_applies_when_asked_for() -> None:
+    state = {"step": 1, **{f"w{i}": torch.zeros(1 << 16) for i in range(4)}}
+    plans = [_plan(state) for _ in range(2)]
+    everything_on_0 = UCSavePlanner(dedup_save_to_lowest_rank=True)._dedup_save_plans(plans)
+    assert _names(everything_on_0[0]) == _names(plans[0]) and not everything_on_0[1].items
+    balanced = UCSavePlanner()._dedup_save_plans(plans)
+    assert "step" in _names(balanced[0]) and len(_names(balanced[1])) == 2  # two of the four weights

@@ -78,8 +78,11 @@ class UCSavePlanner(DefaultSavePlanner):
     Use it as ``dcp.save(sd, storage_writer=UCVolumeWriter(path), planner=UCSavePlanner())``;
     :class:`~uc_checkpoint.CheckpointManager` does. Checkpoints are DCP's format either way; only
     which rank writes each replicated item changes. Constructor arguments are
-    ``DefaultSavePlanner``'s.
+    ``DefaultSavePlanner``'s; with ``dedup_save_to_lowest_rank=True`` DCP's own rule applies (every
+    replicated item on the lowest rank holding it, large ones too).
     """
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if self.dedup_save_to_lowest_rank:
+            return super()._dedup_save_plans(all_plans)
         return place_replicated(all_plans)

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from uc_checkpoint.dcp.metadata_io import read_metadata
+from uc_checkpoint.format.layout import MANIFEST_ATTR
+from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.volumes import open_volume
 
@@ -449,7 +452,13 @@ def run_demo(args: argparse.Namespace) -> int:
 def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpublished: set[tuple[str, int]]) -> None:
     sizes = {}
     for info in catalog.list_steps(vol):
-        sizes[info.step] = sum(s for s in vol.child(info.name).list_files().values() if s > 0)
+        location = vol.child(info.name)
+        # A published checkpoint's size is what its .metadata references: files of a killed save
+        # at the same step stay beside them until `uc-checkpoint gc`, and are not part of it.
+        entries = entries_of(getattr(read_metadata(location), MANIFEST_ATTR, None)) if info.published else {}
+        sizes[info.step] = sum(e.size for e in entries.values()) or sum(
+            s for s in location.list_files().values() if s > 0
+        )
     say("")
     say(f"{'run':8} {'step':>5} {'size MB':>8} {'blocked s':>10} {'to .metadata s':>15} {'MB/s':>7}  state")
     for job in jobs:
