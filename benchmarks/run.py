@@ -200,8 +200,8 @@ def _clean_case(name: str, run_id: str, dirs: dict[str, Path], env: dict[str, st
         shutil.rmtree(root / run_id, ignore_errors=True)
 
 
-def machine(stores: list[str]) -> dict[str, Any]:
-    """What the report says about where it ran."""
+def host_facts() -> dict[str, Any]:
+    """Where a benchmark ran: date, CPU model, cores, memory, kernel, Python and library versions."""
     import boto3
     import moto
     import torch
@@ -213,7 +213,6 @@ def machine(stores: list[str]) -> dict[str, Any]:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    s3fs = subprocess.run(["s3fs", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": cpu,
@@ -224,6 +223,14 @@ def machine(stores: list[str]) -> dict[str, Any]:
         "torch": torch.__version__,
         "boto3": boto3.__version__,
         "moto": moto.__version__,
+    }
+
+
+def machine(stores: list[str]) -> dict[str, Any]:
+    """What the report says about where it ran: :func:`host_facts`, the FUSE client and the stores."""
+    s3fs = subprocess.run(["s3fs", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    return {
+        **host_facts(),
         "s3fs_fuse": s3fs,
         **({"localbucket": _localbucket_version()} if "localbucket" in stores else {}),
     }

@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -56,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .run import case_env
+from .run import case_env, host_facts
 
 log = logging.getLogger("benchmarks.scale")
 REPO = Path(__file__).resolve().parent.parent
@@ -502,29 +501,11 @@ def sweep_reshard(work: Path, grid: dict[str, Any], timeout: float) -> dict[str,
 
 
 def machine() -> dict[str, Any]:
-    import boto3
-    import moto
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Where the run was: :func:`benchmarks.run.host_facts`, the commit and how busy the machine was."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **host_facts(),
         "commit": commit.stdout.strip() or None,
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem / 2**30, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "boto3": boto3.__version__,
-        "moto": moto.__version__,
         # Others may share the machine: the report shows how busy it was.
         "load_average": round(os.getloadavg()[0], 2),
     }
