@@ -160,56 +160,53 @@ def cost_targets(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> 
     def add(label: str, want: str, value: float | None, ok: Callable[[float], bool]) -> None:
         rows.append((label, want, "-" if value is None else f"{value:.2f}x", None if value is None else ok(value)))
 
-    def g(row: dict[str, float], key: str) -> float | None:
-        return row.get(key)
-
     u, n = uc or {}, b or {}
     add(
         "save client CPU vs the naive staged path",
         "<= 1.0x",
-        ratio(g(u, "sync_save_cpu_s"), g(n, "naive_save_cpu_s")),
+        ratio(u.get("sync_save_cpu_s"), n.get("naive_save_cpu_s")),
         lambda v: v <= 1.0,
     )
     if combo[1] <= 64:
         add(
             "sync save time vs the naive staged path (fixed per-save costs)",
             "<= 1.2x",
-            ratio(g(u, "sync_save_s"), g(n, "naive_save_s")),
+            ratio(u.get("sync_save_s"), n.get("naive_save_s")),
             lambda v: v <= 1.2,
         )
     else:
         add(
             "sync save speed vs the naive staged path (the overlap pays)",
             ">= 1.15x",
-            ratio(g(n, "naive_save_s"), g(u, "sync_save_s")),
+            ratio(n.get("naive_save_s"), u.get("sync_save_s")),
             lambda v: v >= 1.15,
         )
     add(
         "load speed vs raw boto3 download of the same objects",
         ">= 1.1x",
-        ratio(g(n, "download_s"), g(u, "load_s")),
+        ratio(n.get("download_s"), u.get("load_s")),
         lambda v: v >= 1.1,
     )
     add(
         "load client CPU vs raw boto3 download",
         "<= 1.0x",
-        ratio(g(u, "load_cpu_s"), g(n, "download_cpu_s")),
+        ratio(u.get("load_cpu_s"), n.get("download_cpu_s")),
         lambda v: v <= 1.0,
     )
     if s3tc:
         add(
             "save client CPU vs s3torchconnector (aim)",
             "<= 1.5x",
-            ratio(g(u, "sync_save_cpu_s"), g(s3tc, "sync_save_cpu_s")),
+            ratio(u.get("sync_save_cpu_s"), s3tc.get("sync_save_cpu_s")),
             lambda v: v <= 1.5,
         )
         add(
             "sync save speed vs s3torchconnector",
             ">= 1x",
-            ratio(g(s3tc, "sync_save_s"), g(u, "sync_save_s")),
+            ratio(s3tc.get("sync_save_s"), u.get("sync_save_s")),
             lambda v: v >= 1.0,
         )
-        add("load speed vs s3torchconnector", ">= 1x", ratio(g(s3tc, "load_s"), g(u, "load_s")), lambda v: v >= 1.0)
+        add("load speed vs s3torchconnector", ">= 1x", ratio(s3tc.get("load_s"), u.get("load_s")), lambda v: v >= 1.0)
     return rows
 
 

@@ -27,7 +27,9 @@ SMALL_ITEM_BYTES = 64 << 10
 
 def item_bytes(item: Any) -> int:
     """Bytes of the part of a tensor item this rank writes (its chunk, not the global tensor);
-    0 for a byte item, whose size is unknown before it is pickled."""
+    0 for a byte item, whose size is unknown before it is pickled. (DCP's ``_item_size`` measures
+    the global tensor, which made each rank believe its share was W times larger and cut it into
+    W times more files.)"""
     data = item.tensor_data
     if data is None:
         return 0

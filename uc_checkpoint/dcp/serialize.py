@@ -95,13 +95,6 @@ class UploadedStorageInfo(_StorageInfo):
         return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
 
 
-def _chunk_bytes(item: Any) -> int:
-    """Bytes of the part of a tensor this rank writes: its chunk, not the whole tensor (DCP's
-    ``_item_size`` measures the global tensor, which made each rank believe its share was W times
-    larger and cut it into W times more files)."""
-    return item_bytes(item)
-
-
 def _write_result(item: Any, storage_key: str, offset: int, length: int) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
 
@@ -127,7 +120,7 @@ def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, th
     prefix = plan.storage_data.prefix
     small = [item for item in plan.items if is_small(item)]
     large = [item for item in plan.items if not is_small(item)]
-    total = sum(_chunk_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
+    total = sum(item_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
     size = file_size_bytes if file_size_bytes is not None else auto_file_size(total)
     n_files = max(threads, math.ceil(total / size), 1)
     jobs: queue.Queue[FileJob] = queue.Queue()
@@ -135,7 +128,7 @@ def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, th
         # A rank's small items in a small file of their own, first: every rank reads the step and
         # the replicated scalars back, and one GET of a file smaller than a checksum block does
         # (scattered over the large files, each read widened to a 4 MiB block; dcp/planner.py).
-        n_large = max(threads, math.ceil(sum(_chunk_bytes(item) for item in large) / size), 1)
+        n_large = max(threads, math.ceil(sum(item_bytes(item) for item in large) / size), 1)
         buckets = [small, *(b for b in _split_by_size_and_type(n_large, large) if b)]
     else:
         buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
@@ -213,7 +206,7 @@ def _write_file(
     loader = cpu_loader(planner.resolve_data, threads, copy_ahead)
     for item in items:
         if item.type != WriteItemType.BYTE_IO:
-            loader.add(_chunk_bytes(item), item)
+            loader.add(item_bytes(item), item)
     loader.start_loading()
     out: list[WriteResult] = []
     with fs.create_stream(path, "wb") as stream:
