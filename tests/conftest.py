@@ -10,6 +10,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# DataLoader workers are forked and import numpy.random on start; if another thread of this process
+# (a transfer pool, a server fixture) holds the import lock at the fork, the child's import fails
+# (KeyError in importlib's module lock: one flaky CI run). Imported here, the child finds it loaded.
+import numpy.random  # noqa: F401
 import pytest
 import torch
 import torch.distributed as dist
