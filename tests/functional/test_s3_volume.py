@@ -3,6 +3,7 @@ HTTP level by a proxy; and fsspec volumes (memory://, file://)."""
 
 from __future__ import annotations
 
+import base64
 import pickle
 from pathlib import Path
 
@@ -84,6 +85,32 @@ def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str,
     dcp.load(out, storage_reader=UCVolumeReader(volume, range_chunk_bytes=1 << 20))
     assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
     assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+
+
+def test_a_file_below_the_multipart_threshold_is_one_put_the_store_checks(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    volume = s3_volume(fault_proxy.url, s3_bucket, "single")
+    # One 16 MiB tensor: its file is 16 MiB plus a few KiB of archive records, below 32 MiB.
+    sd = {"w": torch.randn(4 << 20)}
+    fault_proxy.reset()
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume))
+    data = [r for r in fault_proxy.history if ".distcp" in r.path]
+    assert [r.method for r in data] == ["PUT"], [(r.method, r.path) for r in data]  # no parts, no HEAD
+    (put,) = data
+    record = next(iter(UCVolumeReader(volume).load_metadata().uc_manifest["files"].values()))
+    sent = put.header("x-amz-checksum-crc32")
+    assert sent and base64.b64decode(sent).hex() == record["crc32"]  # the staged file's own CRC-32
+    (key,) = [k for k in keys(s3_server, s3_bucket) if k.startswith("single/") and k.endswith(".distcp")]
+    head = s3_client(s3_server).head_object(Bucket=s3_bucket, Key=key, ChecksumMode="ENABLED")
+    assert head["ContentLength"] == record["size"] > 16 << 20 and head["ChecksumCRC32"] == sent
+    fault_proxy.reset()
+    out = {"w": torch.zeros(4 << 20)}
+    dcp.load(out, storage_reader=UCVolumeReader(volume))
+    assert torch.equal(out["w"], sd["w"])
+    # The file's few KiB past 16 MiB come with the 16 MiB GET, not in a GET of their own.
+    gets = [r for r in fault_proxy.history if r.method == "GET" and ".distcp" in r.path]
+    assert len(gets) == 1, [r.header("Range") for r in gets]
 
 
 def test_partial_load_fetches_only_the_needed_ranges(
@@ -179,8 +206,13 @@ def test_flaky_store_still_saves_and_loads(
     )
     sd = {**make_state_dict(6), "big": torch.randn(3 << 20)}
     fault_proxy.throttle_rate, fault_proxy.error_rate, fault_proxy.cut_rate = 0.15, 0.1, 0.1
-    out = save_and_load(volume, sd, range_chunk_bytes=1 << 20)
-    assert_state_dict_equal(sd, out)
+    # Faults are drawn per request: a round of a few dozen requests may miss one kind, so rounds go
+    # on (each one checked) until every kind has hit at least once.
+    for _ in range(6):
+        out = save_and_load(volume, sd, range_chunk_bytes=1 << 20)
+        assert_state_dict_equal(sd, out)
+        if {"throttle", "error", "cut"} <= set(fault_proxy.injected):
+            break
     assert {"throttle", "error", "cut"} <= set(fault_proxy.injected), fault_proxy.injected
     assert not s3_client(s3_server).list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
 

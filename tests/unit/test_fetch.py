@@ -4,6 +4,7 @@ the fetch as one ``TransferError`` with the rest cancelled, and the byte budget 
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections.abc import Iterator
@@ -144,6 +145,58 @@ def test_ranges_arrive_verified_in_pieces(volume: Volume) -> None:
     assert rec.reads and all(end - start <= BLOCK // 2 for _n, start, end in rec.reads)
     assert len(rec.reads) > len(requests)  # pieces, not one read per request
     assert rec.closed == 1
+
+
+def test_finished_ranges_are_consumed_while_later_ones_wait_for_a_worker(volume: Volume) -> None:
+    data = {f"f{i}.distcp": _content(BLOCK, i) for i in range(12)}
+    records = {name: _put(volume, name, content) for name, content in data.items()}
+    rec = Recording(volume, delay_s=0.01)
+    reads_at_consume: list[int] = []
+
+    def consume(req: RangeRequest[str], view: memoryview) -> None:
+        assert bytes(view) == data[req.name]
+        reads_at_consume.append(len(rec.reads))
+
+    workers = 2
+    fetch_ranges(
+        rec,  # type: ignore[arg-type]  # a duck-typed volume
+        [RangeRequest(name, 0, BLOCK, [name]) for name in data],
+        consume,
+        records=records,
+        chunk_bytes=BLOCK,
+        max_inflight_bytes=1 << 30,  # the byte budget never holds a request back here
+        workers=workers,
+    )
+    assert len(reads_at_consume) == 12
+    # The first range is consumed before more requests were queued than the pool runs and queues
+    # (2 x workers); waiting for a free worker instead held every finished range until the last
+    # request was queued.
+    assert reads_at_consume[0] <= 2 * workers, reads_at_consume
+
+
+@pytest.mark.parametrize("chunk", [BLOCK // 2, BLOCK, 3 * BLOCK // 2, 2 * BLOCK, 8 * BLOCK])
+@pytest.mark.parametrize("block", [0, 2, 5])
+def test_a_damaged_block_is_caught_whatever_the_pieces(volume: Volume, chunk: int, block: int) -> None:
+    # Blocks a piece holds whole are checked by its worker, blocks cut by a piece boundary (pieces
+    # smaller than a block, or off the block grid) after the range is complete; the file's last
+    # block (5) is short.
+    good = _content(5 * BLOCK + 123, 3)
+    record = _put(volume, "data.distcp", good)
+    bad = bytearray(good)
+    bad[block * BLOCK + 100] ^= 0x01
+    volume.publish_bytes("data.distcp", bytes(bad))
+    consumed: list[str] = []
+    with pytest.raises(CorruptCheckpointError, match=rf"\(block {block}\)"):
+        fetch_ranges(
+            volume,
+            [RangeRequest("data.distcp", 0, len(good), ["item"])],
+            lambda req, view: consumed.append(req.name),
+            records={"data.distcp": record},
+            chunk_bytes=chunk,
+            max_inflight_bytes=1 << 30,
+            workers=2,
+        )
+    assert consumed == []
 
 
 def test_a_damaged_block_is_named(volume: Volume) -> None:
@@ -340,7 +393,8 @@ def test_range_buffers_are_received_into_again_within_their_limit() -> None:
 
     pool = _Buffers(limit=300)
     a = pool.take(100)
-    assert len(a) == 100 and isinstance(a.obj, bytearray)
+    # New memory is an anonymous map: untouched until received into (no zero-fill by this thread).
+    assert len(a) == 100 and isinstance(a.obj, mmap.mmap) and not a.readonly and bytes(a) == bytes(100)
     pool.give(a)
     b = pool.take(60)  # fits the kept 100-byte buffer (at most twice the size asked for)
     assert b.obj is a.obj and len(b) == 60

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from uc_checkpoint.engine.ranges import ByteBudget, plan_ranges
+from uc_checkpoint.engine.ranges import TAIL_FOLD, ByteBudget, RangeRequest, plan_ranges
 from uc_checkpoint.errors import CorruptCheckpointError
 from uc_checkpoint.format.integrity import (
     Digest,
@@ -174,3 +174,49 @@ def test_one_pass_digest_equals_separate_crcs(block_size: int, part_size: int | 
         assert list(blocks) == [zlib.crc32(data[i : i + block_size]) for i in range(0, size, block_size)]
         if part_size:
             assert digest.part_crc32 == [zlib.crc32(data[i : i + part_size]) for i in range(0, size, part_size)]
+
+
+def test_a_short_tail_is_read_with_the_piece_before_it() -> None:
+    chunk = 16 << 20
+    # A data file is a few KiB of archive records longer than its tensors: one GET, not two.
+    assert RangeRequest("a", 0, chunk + 1577).pieces(chunk) == [(0, chunk + 1577)]
+    # A tail of a quarter chunk or more is a piece of its own.
+    assert RangeRequest("a", 0, 2 * chunk + chunk // 4).pieces(chunk) == [
+        (0, chunk),
+        (chunk, 2 * chunk),
+        (2 * chunk, 2 * chunk + chunk // 4),
+    ]
+    assert RangeRequest("a", 7, 9).pieces(chunk) == [(7, 9)]  # one short range stays one piece
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.integers(0, 10_000), length=st.integers(1, 20_000), chunk=st.integers(1, 5_000))
+def test_pieces_cover_the_range_in_order_and_are_at_most_one_and_a_quarter_chunks(
+    start: int, length: int, chunk: int
+) -> None:
+    pieces = RangeRequest("a", start, start + length).pieces(chunk)
+    assert pieces[0][0] == start and pieces[-1][1] == start + length
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert all(lo < hi <= lo + chunk + chunk // TAIL_FOLD for lo, hi in pieces)
+    assert all(lo % chunk == start % chunk for lo, _ in pieces)  # aligned as the chunks are
+    assert len(pieces) == 1 or pieces[-1][1] - pieces[-1][0] >= chunk // TAIL_FOLD
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=20_000), value=st.integers(0, 2**32 - 1), cut=st.integers(0, 20_000))
+def test_crc32_is_zlibs_whichever_implementation_computes_it(data: bytes, value: int, cut: int) -> None:
+    from uc_checkpoint.format.integrity import crc32
+
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data, value) == zlib.crc32(data, value)
+    view = memoryview(bytearray(data))[cut:]
+    assert crc32(view, value) == zlib.crc32(view, value)
+    assert crc32(data[cut:], crc32(data[:cut])) == zlib.crc32(data)  # continued, as Digest does
+
+
+def test_crc32_uses_isa_l_where_it_is_installed() -> None:
+    from isal import isal_zlib  # a declared dependency: its absence fails here
+
+    from uc_checkpoint.format import integrity
+
+    assert integrity._crc32 is isal_zlib.crc32  # not a silent fallback to zlib's, ~12x the CPU

@@ -28,7 +28,6 @@ import math
 import mmap
 import struct
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 
 from uc_checkpoint.dcp.compat import save_without_zip_crc
 from uc_checkpoint.errors import ItemChecksumError  # re-exported: its home before it joined the hierarchy
+from uc_checkpoint.format.integrity import crc32
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class ItemCodec:
         out = bytearray(template.raw)
         data = _raw_bytes(t)
         out[template.data_start : template.data_end] = data
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         for offset in template.crc_offsets:
             struct.pack_into("<I", out, offset, crc)
         return out
@@ -367,7 +367,7 @@ class ItemCodec:
                 recorded = struct.unpack_from("<I", view, template.crc_offsets[0])[0]
                 if recorded == 0:  # written with torch's crc32 computation switched off: let torch read it
                     return None
-                actual = zlib.crc32(view[template.data_start : template.data_end])
+                actual = crc32(view[template.data_start : template.data_end])
                 if recorded != actual:
                     raise ItemChecksumError(f"tensor bytes fail their crc32: {actual:08x}, recorded {recorded:08x}")
                 out = torch.empty(shape, dtype=dtype)  # aligned, and independent of the read buffer

@@ -39,7 +39,9 @@ class TransferPool:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
-        self._slots = threading.BoundedSemaphore(max_workers + (max_workers if max_pending is None else max_pending))
+        #: Tasks running and queued before ``submit`` blocks.
+        self.capacity = max_workers + (max_workers if max_pending is None else max_pending)
+        self._slots = threading.BoundedSemaphore(self.capacity)
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn(*args)`` on a worker; blocks while the pool is full."""

@@ -13,10 +13,12 @@ Every data file gets, in one pass over its bytes:
   (CRC-32 of the concatenated big-endian part CRCs, base64, see the S3 user guide "Checking object
   integrity") is derived to compare with what the store reports.
 
-Only the bytes between consecutive block or part boundaries are run through ``zlib.crc32``, once;
+Only the bytes between consecutive block or part boundaries are run through :func:`crc32`, once;
 the block, part and whole-file CRC-32s are composed from those with :func:`crc32_combine` (zlib's
 ``crc32_combine``, which Python's zlib does not expose), so a file is checksummed in one pass, not
-one per kind. ``zlib.crc32`` releases the GIL on large buffers, so worker threads checksum in parallel.
+one per kind. :func:`crc32` is Intel ISA-L's (the ``isal`` package: carry-less multiplication,
+26 GB/s here against zlib's 2.2, which made the CRC-32s a sixth of a load's client CPU), zlib's
+where ``isal`` does not install; both release the GIL on large buffers.
 """
 
 from __future__ import annotations
@@ -25,12 +27,30 @@ import base64
 import functools
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from uc_checkpoint.errors import CorruptCheckpointError
+
+
+def _pick_crc32() -> Callable[[Any, int], int]:
+    try:
+        from isal import isal_zlib
+    except ImportError:  # no wheel for this platform: zlib's, same results, ~12x the CPU
+        return zlib.crc32
+    return isal_zlib.crc32
+
+
+_crc32 = _pick_crc32()
+
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32 of ``data`` continuing from ``value``: exactly ``zlib.crc32`` (S3's ``CRC32``), computed
+    by ISA-L when ``isal`` is installed."""
+    return _crc32(data, value)
+
 
 #: Bytes covered by one block checksum (4 MiB). A ranged read fetches at most one block more on
 #: each side than it needs; a 100 GB checkpoint carries 25k block checksums (100 KB in .metadata).
@@ -133,7 +153,7 @@ class Digest:
         self._part_size = part_size
         self._part_crc = 0
         self.part_crc32: list[int] = []
-        # The span since the last block or part boundary: the only bytes zlib sees, once each.
+        # The span since the last block or part boundary: the only bytes checksummed, once each.
         self._span_crc = 0
         self._span_len = 0
         self._closed = False
@@ -149,7 +169,7 @@ class Digest:
             step = min(step, self._block_size - in_block)
             if self._part_size:
                 step = min(step, self._part_size - self.size % self._part_size)
-            self._span_crc = zlib.crc32(view[pos : pos + step], self._span_crc)
+            self._span_crc = crc32(view[pos : pos + step], self._span_crc)
             self._span_len += step
             self.size += step
             pos += step
@@ -239,7 +259,7 @@ def hex_to_base64(crc_hex: str) -> str:
 def composite_crc32_base64(part_crcs: Iterable[int]) -> str:
     """S3's composite checksum of a multipart upload: CRC-32 of the parts' big-endian CRC-32s."""
     parts = list(part_crcs)
-    return crc32_base64(zlib.crc32(struct.pack(f">{len(parts)}I", *parts)))
+    return crc32_base64(crc32(struct.pack(f">{len(parts)}I", *parts)))
 
 
 def block_span(start: int, end: int, size: int, block_size: int) -> tuple[int, int]:
@@ -266,7 +286,7 @@ def verify_blocks(data: memoryview | bytes, start: int, record: FileRecord, wher
     for pos in range(0, len(view), bs):
         index = (start + pos) // bs
         chunk = view[pos : pos + bs]
-        if index >= len(expected) or zlib.crc32(chunk) != expected[index]:
+        if index >= len(expected) or crc32(chunk) != expected[index]:
             lo = start + pos
             raise CorruptCheckpointError(
                 f"{where} fails its checksum in bytes {lo}-{lo + len(chunk) - 1} (block {index})"

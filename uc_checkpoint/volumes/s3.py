@@ -3,14 +3,16 @@
 - Configuration is boto3's own: the credential chain, region, ``AWS_ENDPOINT_URL`` /
   ``AWS_ENDPOINT_URL_S3`` and ``~/.aws/config`` all apply unchanged; an explicit endpoint, region,
   addressing style, client factory or client may be passed instead.
-- Uploads go through one s3transfer ``TransferManager`` per volume object: files at or above
-  ``multipart_threshold`` become multipart uploads whose parts are sent concurrently, and
-  ``max_concurrency`` bounds the requests in flight for all files of the process together. Parts
-  are read from the staged file on demand, so memory stays at a few parts per thread.
-- Every upload is verified before it counts: the object's size, and its CRC-32 as the store
-  reports it (``x-amz-checksum-crc32``, whole-object or S3's composite multipart form) against the
-  CRC-32 computed locally. Stores that keep no checksum are verified by size; readers still check
-  the CRC-32s recorded in ``.metadata``.
+- Multipart uploads go through one s3transfer ``TransferManager`` per volume object: files at or
+  above ``multipart_threshold`` are sent as parts, concurrently, and ``max_concurrency`` bounds the
+  requests in flight for all files of the process together. Parts are read from the staged file on
+  demand, so memory stays at a few parts per thread. A smaller file is one ``PutObject``.
+- Every upload is verified before it counts. A ``PutObject`` carries the CRC-32 computed while
+  staging (``x-amz-checksum-crc32``), which S3 checks against the body before storing it; an
+  answer that carries it back proves the object. Otherwise (multipart uploads, stores that echo
+  no checksum) a HEAD checks the object's size, and its CRC-32 as the store reports it (whole-object
+  or S3's composite multipart form) against the CRC-32 computed locally. Stores that keep no
+  checksum are verified by size; readers still check the CRC-32s recorded in ``.metadata``.
 - ``.metadata`` is published with a single ``PutObject`` (atomic per object); never a
   copy-and-delete "rename". With ``overwrite=False`` the PUT carries ``If-None-Match: *``.
 - Retries: botocore's ``standard`` mode (exponential backoff with jitter, at most 20 s between
@@ -26,13 +28,12 @@ import logging
 import random
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
-from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_base64, crc32_base64, digest_file
+from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_base64, crc32, crc32_base64, digest_file
 from uc_checkpoint.format.layout import is_checkpoint_file
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
@@ -40,8 +41,11 @@ from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_nam
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
-#: Files at or above this size (bytes) are uploaded as multipart uploads.
-DEFAULT_MULTIPART_THRESHOLD = 16 << 20
+#: Files at or above this size (bytes) are uploaded as multipart uploads; smaller ones with one
+#: ``PutObject``. Twice the part size: a data file is its tensors plus a few KiB of archive records,
+#: and at one part size a 16 MiB tensor's file became a 16 MiB part, a part of a few KiB, and the
+#: create and complete requests around them (5 requests where 1 does).
+DEFAULT_MULTIPART_THRESHOLD = 32 << 20
 #: Bytes per multipart part (s3transfer raises it for files that would need over 10,000 parts).
 DEFAULT_PART_SIZE = 16 << 20
 #: Requests in flight per volume object (all files of one save on one rank together).
@@ -414,15 +418,48 @@ class S3Volume(Volume):
         size = local_path.stat().st_size
         multipart = size >= self.multipart_threshold
         digest = digest_file(local_path, part_size=self._effective_part_size(size) if multipart else None)
+        record = digest.record(name)
         extra = {"ChecksumAlgorithm": "CRC32"} if self._send_checksums() else {}
         try:
-            future = self._transfer_manager().upload(str(local_path), self.bucket, self.key(name), extra_args=extra)
-            future.result()
+            if multipart:
+                future = self._transfer_manager().upload(str(local_path), self.bucket, self.key(name), extra_args=extra)
+                future.result()
+                proven = False  # s3transfer's future does not hand back CompleteMultipartUpload's answer
+            else:
+                proven = self._put_file(local_path, name, record, checksum=bool(extra))
+        except TransferError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"uploading {local_path} to {where} failed: {exc}{_hint(exc)}") from exc
-        record = digest.record(name)
-        self._verify_upload(name, record, digest, multipart)
+        if not proven:
+            self._verify_upload(name, record, digest, multipart)
         return record
+
+    def _put_file(self, local_path: Path, name: str, record: FileRecord, *, checksum: bool) -> bool:
+        """Upload a file below the multipart threshold with one ``PutObject``; True when the store's
+        answer proves the bytes landed (it carries the CRC-32 sent).
+
+        With ``checksum``, the CRC-32 computed while staging goes in ``x-amz-checksum-crc32``:
+        botocore then computes none of its own (one pass over the bytes fewer), and S3 checks the
+        body against it, refusing the object (``BadDigest``) when a byte changed on the way, so a
+        200 carrying that CRC-32 needs no HEAD to confirm it.
+
+        Raises:
+            TransferError: the store stored another CRC-32 than the one sent.
+        """
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name)}
+        sent = crc32_base64(int(record.crc32, 16))
+        if checksum:
+            kwargs.update(ChecksumAlgorithm="CRC32", ChecksumCRC32=sent)
+        with open(local_path, "rb") as body:  # botocore seeks back to the start for a retry
+            response = self.client.put_object(Body=body, **kwargs)
+        reported = response.get("ChecksumCRC32")
+        if reported and reported != sent:
+            raise TransferError(
+                f"{self.url_of(name)} was stored with CRC-32 {reported}, expected {sent} "
+                "(corrupted in transit or overwritten)"
+            )
+        return checksum and bool(reported)
 
     def _verify_upload(self, name: str, record: FileRecord, digest: Digest, multipart: bool) -> None:
         where = self.url_of(name)
@@ -577,7 +614,7 @@ class S3Volume(Volume):
                 ) from exc
             raise TransferError(f"publishing {where} failed: {exc}{_hint(exc)}") from exc
         reported = response.get("ChecksumCRC32")
-        if reported and reported != crc32_base64(zlib.crc32(data)):
+        if reported and reported != crc32_base64(crc32(data)):
             raise TransferError(f"{where} was stored with CRC-32 {reported}, which does not match the bytes sent")
         # S3 is read-after-write consistent: a 200 carrying the CRC-32 of these bytes is the store's
         # own word that they are what a GET now returns, so the publish needs no read-back.
