@@ -91,6 +91,12 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"{r.step:>10}  {r.state:10}  {_size(r.bytes):>10}  {r.files:>5}  {_age(r.age_s):>6}  {r.location}")
         if r.problem:
             print(f"{'':>10}  problem: {r.problem}")
+        if r.unreferenced_files:
+            n = r.unreferenced_files
+            print(
+                f"{'':>10}  also {n} unreferenced file{'' if n == 1 else 's'}, {_size(r.unreferenced_bytes)} "
+                "(another save's, not part of this checkpoint): `uc-checkpoint gc` removes them once old"
+            )
     return 0
 
 

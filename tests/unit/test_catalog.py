@@ -204,6 +204,50 @@ def test_store_error_on_one_location_is_raised(root: Volume, monkeypatch) -> Non
     assert catalog.latest(root, intact=False) is not None
 
 
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_ls_counts_only_the_files_the_published_metadata_references(
+    kind: str, tmp_path: Path, staging: Path, capsys
+) -> None:
+    """A save killed at a location that holds a published checkpoint (a re-save of the step after
+    a restart) leaves its data files beside the published ones until gc: they are not part of the
+    checkpoint, so ls neither counts them in its size nor in its files, and names them apart."""
+    root = make_root(kind, tmp_path)
+    CheckpointManager(root, keep_last=None, async_save=False, write_pointer=False).save(7, state(7))
+    location = root.child(checkpoint_name(7))
+    listing = location.list_files()
+    own_data = sorted((manifest_of(read_metadata(location)) or {})["files"])
+    assert own_data == data_files(location)
+    own_bytes = listing[METADATA_NAME] + sum(listing[n] for n in own_data)
+    # The killed save's file: another save's token, and bigger than the whole checkpoint.
+    leftover = "__0_0badc0de_0.distcp"
+    assert leftover not in own_data
+    location.publish_bytes(leftover, b"x" * (2 * own_bytes), overwrite=True)
+
+    (info,) = scan(root)
+    assert info.state == "complete"
+    assert (info.files, info.bytes) == (len(own_data), own_bytes), info
+    assert (info.unreferenced_files, info.unreferenced_bytes) == (1, 2 * own_bytes), info
+    (row,) = list_root(root)
+    assert (row.files, row.bytes, row.unreferenced_files, row.unreferenced_bytes) == (
+        len(own_data),
+        own_bytes,
+        1,
+        2 * own_bytes,
+    )
+
+    from uc_checkpoint import cli
+
+    assert cli.main(["ls", root.url]) == 0
+    text = capsys.readouterr().out
+    assert f"  {len(own_data):>5}  " in text.splitlines()[1], text  # the files column
+    assert "also 1 unreferenced file, " in text and "uc-checkpoint gc" in text, text
+
+    # Once gc has removed it, ls says nothing more of it.
+    location.delete(leftover)
+    (info,) = scan(root)
+    assert (info.files, info.bytes, info.unreferenced_files) == (len(own_data), own_bytes, 0)
+
+
 def test_checkpoint_names() -> None:
     assert checkpoint_name(42) == "step_00000042"
     assert checkpoints.checkpoint_name is checkpoint_name

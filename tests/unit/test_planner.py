@@ -7,14 +7,17 @@ import dataclasses
 import io
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-from uc_checkpoint import UCSavePlanner
+from uc_checkpoint import UCSavePlanner, UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.dcp.compat import _StoragePrefix
 from uc_checkpoint.dcp.planner import SMALL_ITEM_BYTES, is_small, place_replicated
 from uc_checkpoint.dcp.serialize import file_queue
+from uc_checkpoint.format.integrity import VERIFY_BLOCK_SIZE
 
 
 def _plan(state: dict) -> SavePlan:
@@ -86,3 +89,55 @@ def test_dcps_lowest_rank_rule_still_applies_when_asked_for() -> None:
     assert _names(everything_on_0[0]) == _names(plans[0]) and not everything_on_0[1].items
     balanced = UCSavePlanner()._dedup_save_plans(plans)
     assert "step" in _names(balanced[0]) and len(_names(balanced[1])) == 2  # two of the four weights
+
+
+def _step_scalars_and_weights(fill: float | None = None) -> dict:
+    """A step and replicated scalars (small) beside 8 MiB of weights (large): one file's worth."""
+
+    def value(x: float) -> float:
+        return x if fill is None else fill
+
+    return {
+        "step": 9 if fill is None else -1,
+        **{f"opt.s{i}": torch.tensor(value(float(i))) for i in range(20)},
+        **{f"model.w{j}": torch.full((1 << 20,), value(float(j))) for j in range(2)},  # 4 MiB each
+    }
+
+
+def test_small_items_get_their_own_file_even_when_the_share_fits_in_one(tmp_path: Path) -> None:
+    plan = dataclasses.replace(_plan(_step_scalars_and_weights()), storage_data=_StoragePrefix("__0_tok_"))
+    # The automatic file size for an 8 MiB share is 16 MiB: everything would fit in one file.
+    jobs = file_queue(plan, tmp_path, file_size_bytes=None, threads=1)
+    files = [jobs.get_nowait() for _ in range(jobs.qsize())]
+    assert [name for _p, name, _items in files] == ["__0_tok_0.distcp", "__0_tok_1.distcp"]
+    assert all(is_small(i) for i in files[0][2]) and len(files[0][2]) == 21  # step and 20 scalars
+    assert all(not is_small(i) for i in files[1][2]) and len(files[1][2]) == 2
+    # Every serialising thread still gets a file of large items.
+    jobs = file_queue(plan, tmp_path, file_size_bytes=None, threads=2)
+    assert jobs.qsize() == 1 + 2
+
+
+@pytest.mark.parametrize("prefetch_files", [False, True])
+def test_loading_only_the_small_items_reads_less_than_one_checksum_block(
+    tmp_path: Path, staging: Path, prefetch_files: bool
+) -> None:
+    """What every rank but the lowest does at a load: read the replicated small items saved beside
+    a large share that fits in one file. In that file they cost a whole 4 MiB checksum block (ranged
+    reads) or the whole file (whole-file reads); in their own file, that small file only."""
+    dest = tmp_path / "ckpt"
+    dcp.save(_step_scalars_and_weights(), storage_writer=UCVolumeWriter(dest), planner=UCSavePlanner())
+    sizes = {p.name: p.stat().st_size for p in dest.glob("*.distcp")}
+    (small_file,) = [name for name in sizes if name.endswith("_0.distcp")]
+    assert len(sizes) == 2 and sizes[small_file] < VERIFY_BLOCK_SIZE, sizes
+    assert max(sizes.values()) > 2 * VERIFY_BLOCK_SIZE, sizes
+
+    # No weights: those are another rank's own share.
+    back = {k: v for k, v in _step_scalars_and_weights(fill=0.0).items() if not k.startswith("model.")}
+    reader = UCVolumeReader(dest, prefetch_files=prefetch_files)
+    dcp.load(back, storage_reader=reader)
+    want = _step_scalars_and_weights()
+    assert back["step"] == want["step"]
+    assert all(torch.equal(back[k], want[k]) for k in back if k.startswith("opt."))
+    record = reader.last_record
+    assert record is not None and record.files == 1
+    assert record.bytes <= sizes[small_file], (record, sizes)  # under one block (checked above)

@@ -110,27 +110,31 @@ def with_file_prefix(plan: SavePlan, rank: int, token: str, spread_prefixes: int
 def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, threads: int) -> queue.Queue[FileJob]:
     """Cut a rank's plan (its ``storage_data`` a ``_StoragePrefix``) into data files in ``staging``
     (in a sub-directory of it, named as the spread prefix, when the prefix has one). When the rank
-    needs more than one file, its small items (:func:`~uc_checkpoint.dcp.planner.is_small`) get
-    one file of their own, the first; the rest are balanced over the others as DCP does.
+    has both small items (:func:`~uc_checkpoint.dcp.planner.is_small`) and large ones, its small
+    items get one file of their own, the first, even where the whole share would fit in one file;
+    the large items are balanced over the others as DCP does.
 
     Args:
         file_size_bytes: target bytes per file; None: :func:`auto_file_size` of the rank's share.
-        threads: at least this many files, so every serialising thread has one.
+        threads: at least this many files of large items (or of all items, where the rank has
+            only small or only large ones), so every serialising thread has one to work on.
     """
     prefix = plan.storage_data.prefix
     small = [item for item in plan.items if is_small(item)]
     large = [item for item in plan.items if not is_small(item)]
     total = sum(item_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
     size = file_size_bytes if file_size_bytes is not None else auto_file_size(total)
-    n_files = max(threads, math.ceil(total / size), 1)
     jobs: queue.Queue[FileJob] = queue.Queue()
-    if small and large and n_files > 1:
+    if small and large:
         # A rank's small items in a small file of their own, first: every rank reads the step and
         # the replicated scalars back, and one GET of a file smaller than a checksum block does
         # (scattered over the large files, each read widened to a 4 MiB block; dcp/planner.py).
+        # Even where the share fits in one file: inside it, every other rank's load fetched whole
+        # blocks of rank 0's big file for a few scalars (1.51x the bytes, 32 MiB on 2 ranks).
         n_large = max(threads, math.ceil(sum(item_bytes(item) for item in large) / size), 1)
         buckets = [small, *(b for b in _split_by_size_and_type(n_large, large) if b)]
     else:
+        n_files = max(threads, math.ceil(total / size), 1)
         buckets = [b for b in _split_by_size_and_type(n_files, list(plan.items)) if b]
     if "/" in prefix:  # a spread prefix: staged under the same relative path as on the volume
         (staging / prefix).parent.mkdir(exist_ok=True)

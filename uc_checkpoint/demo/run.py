@@ -14,6 +14,11 @@
 5. PASS when the final parameters of step 3 are bit-identical to the reference and, across all runs,
    every sample of the epoch was trained on exactly once or is still listed as remaining (checked
    sample by sample from each rank's log); else FAIL (exit code 1).
+
+Each job's output is kept in the work directory: torchrun's in ``log-<run>.txt`` and each rank's
+stdout and stderr apart, under ``ranks-<run>/`` (:func:`rank_log_dir`); the ranks run with Python's
+``faulthandler`` on, so a rank killed by a signal such as SIGSEGV leaves its threads' stacks in its
+``stderr.log``. A FAIL names those files.
 """
 
 from __future__ import annotations
@@ -102,6 +107,50 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def rank_log_dir(workdir: Path, label: str) -> Path:
+    """Where torchrun keeps each rank's output of the job ``label``:
+    ``<dir>/<run id>_<random>/attempt_0/<local rank>/stdout.log`` and ``stderr.log`` (the layout
+    of ``torch.distributed.elastic``)."""
+    return workdir / f"ranks-{label}"
+
+
+def job_logs(workdir: Path, label: str) -> str:
+    """The logs of the job ``label``, for a failure message: torchrun's log and every rank's
+    ``stderr.log`` (or, when torchrun made none, the directory they would be in)."""
+    ranks = sorted(rank_log_dir(workdir, label).glob("*/attempt_*/*/stderr.log"))
+    where = ", ".join(str(p) for p in ranks) if ranks else f"none under {rank_log_dir(workdir, label)}"
+    return f"{workdir / f'log-{label}.txt'}; each rank's stderr: {where}"
+
+
+def start_torchrun(label: str, workdir: Path, nproc: int, target: list[str]) -> Job:
+    """Start ``torchrun --standalone`` with ``nproc`` ranks running ``target`` (``["-m", module,
+    *args]`` or ``[script, *args]``), in a session of its own; its output goes to
+    ``<workdir>/log-<label>.txt``, each rank's also to files under :func:`rank_log_dir`, and its
+    rank 0 events (if any) are read from ``<workdir>/events-<label>.jsonl``."""
+    log = open(workdir / f"log-{label}.txt", "ab")  # noqa: SIM115 - owned by the child
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        # Each rank's stdout and stderr in files of its own, and still in torchrun's log (tee):
+        # torchrun's summary of a rank killed by a signal is its exit code only (the cause of one
+        # SIGSEGV of rank 1 after the last save was lost so), and its default log directory is a
+        # temporary one that nothing names.
+        "--log-dir",
+        str(rank_log_dir(workdir, label)),
+        "--tee",
+        "3",
+        *target,
+    ]
+    # faulthandler: a rank killed by SIGSEGV, SIGBUS, SIGFPE, SIGABRT or SIGILL prints every
+    # thread's Python stack to its stderr first.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Job(label, proc, workdir / f"events-{label}.jsonl")
+
+
 def launch(
     label: str,
     workdir: Path,
@@ -114,20 +163,13 @@ def launch(
     batch_size: int | None = None,
     steps: int | None = None,
 ) -> Job:
-    events = workdir / f"events-{label}.jsonl"
-    log = open(workdir / f"log-{label}.txt", "ab")  # noqa: SIM115 - owned by the child
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc or args.nproc}",
+    target = [
         "-m",
         "uc_checkpoint.demo.train",
         "--data",
         str(data),
         "--events",
-        str(events),
+        str(workdir / f"events-{label}.jsonl"),
         "--final",
         str(final),
         "--steps",
@@ -150,10 +192,8 @@ def launch(
         str(workdir / f"data-state-{label}.json"),
     ]
     if volume is not None:
-        cmd += ["--volume", volume]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return Job(label, proc, events)
+        target += ["--volume", volume]
+    return start_torchrun(label, workdir, nproc or args.nproc, target)
 
 
 def _process_tree(root: int) -> list[int]:
@@ -359,6 +399,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"checkpoint every {args.save_every}, preemption at step {kill_at}{resize}"
     )
     say(f"  workdir {workdir}\n  volume  {volume}")
+    say(f"  logs    {workdir}/log-<run>.txt, each rank's under {workdir}/ranks-<run>/")
     say(
         f"  data: {len(shards.shards)} shards, {shards.num_samples(seq_len):,} samples ({shards.total_bytes:,} bytes of "
         "Python standard library source) per epoch"
@@ -368,7 +409,7 @@ def run_demo(args: argparse.Namespace) -> int:
     ref_final = workdir / "final-reference.pt"
     reference = job = launch("reference", workdir, shards.root, args, None, ref_final)
     if follow(job, time.time() + deadline_each) != "done":
-        say(f"FAIL: the reference run failed; see {workdir}/log-reference.txt")
+        say(f"FAIL: the reference run failed; see {job_logs(workdir, 'reference')}")
         return 1
 
     say("2/4 run with checkpoints, preempted while a checkpoint uploads")
@@ -399,7 +440,7 @@ def run_demo(args: argparse.Namespace) -> int:
             continue
         break
     if outcome != "done":
-        say(f"FAIL: the training job failed; see {workdir}/log-{job.label}.txt")
+        say(f"FAIL: the training job failed; see {job_logs(workdir, job.label)}")
         return 1
 
     problems = compare(ref_final, final)
@@ -428,7 +469,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         jobs.append(job)
         if follow(job, time.time() + deadline_each) != "done":
-            say(f"FAIL: the resized run failed; see {workdir}/log-{job.label}.txt")
+            say(f"FAIL: the resized run failed; see {job_logs(workdir, job.label)}")
             return 1
         resumes += [e for e in job.events if e["event"] == "resume"]
     if not problems:

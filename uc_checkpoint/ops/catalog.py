@@ -27,12 +27,12 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
+from uc_checkpoint.dcp.metadata_io import data_file_names, manifest_of, read_metadata, referenced_files
 from uc_checkpoint.engine.listing import checkpoint_entries, checkpoint_files
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
-from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME
+from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME, is_checkpoint_file
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops.lineage import abandonment_of
 from uc_checkpoint.volumes import Volume, open_volume
@@ -78,13 +78,21 @@ class CheckpointInfo:
             docstring); None for a published location not inspected yet.
         problem: what is wrong with a broken checkpoint, which rollback abandoned an abandoned
             one, or why an inspected location turned out unpublished; else None.
-        bytes: total size of the files at the location, in bytes (None unless inspected with
-            ``details``).
-        files: number of data files at the location (None unless inspected with ``details``).
-        age_s: seconds since the newest file there was written (None unless inspected with
+        bytes: size in bytes of the checkpoint's own files: for a published checkpoint whose
+            ``.metadata`` decodes, that ``.metadata``, its rollback marker if any and the data files
+            it references that are there; otherwise every file at the location (None unless
+            inspected with ``details``).
+        files: number of data files counted in ``bytes`` (None unless inspected with ``details``).
+        age_s: seconds since the newest of those files was written (None unless inspected with
             ``details``, or when the store has no times).
         abandoned: whether a rollback marker applies to the checkpoint; None when it was not
             looked at (unreadable or vanished ``.metadata``, or a broken one inspected for a listing).
+        unreferenced_files: files a save writes (data files, save markers) at a published
+            checkpoint's location that its ``.metadata`` does not reference: a killed or failed
+            later save's leftovers (``uc-checkpoint gc`` removes them once old) or a save in
+            progress there; not counted in ``files`` (None unless known: inspected with
+            ``details``, ``.metadata`` decoded).
+        unreferenced_bytes: their total size in bytes (None when ``unreferenced_files`` is).
     """
 
     step: int
@@ -96,6 +104,8 @@ class CheckpointInfo:
     files: int | None = None
     age_s: float | None = None
     abandoned: bool | None = None
+    unreferenced_files: int | None = None
+    unreferenced_bytes: int | None = None
 
 
 def checkpoint_name(step: int) -> str:
@@ -204,8 +214,10 @@ def inspect_step(
         retry: how each store call is made (see :class:`Retry`).
         allow_unsafe: unpickle the ``.metadata`` without the allow-list (see
             :func:`uc_checkpoint.dcp.metadata_io.load_metadata`).
-        details: also fill ``bytes``, ``files`` and ``age_s`` (for listings such as ``ls``; costs
-            the location's modification times, and its listing also for unpublished locations).
+        details: also fill ``bytes``, ``files``, ``age_s`` and, for a published checkpoint, the
+            ``unreferenced_*`` counts (for listings such as ``ls``; costs the location's
+            modification times, and its listing also for unpublished locations; nothing more, since
+            the ``.metadata`` that tells its own files from others is read anyway).
         rollback_first: look for a rollback marker even on a checkpoint with missing files, and
             let it decide the state (``"abandoned"``), as ``latest()`` does so that it records every
             abandoned step; otherwise (listings) a broken checkpoint is ``"broken"`` and its marker
@@ -222,19 +234,15 @@ def inspect_step(
     """
     location = root.child(info.name)
     files: dict[str, int] | None = None
+    mtimes: dict[str, float] = {}
+    stamp = time.time() if now is None else now
     out = info
     if details:
         # Sizes and times, one listing (and one per spread prefix the location holds).
         entries = retry(f"list {info.name}", lambda: checkpoint_entries(location))
         files = {e.name: e.size for e in entries if e.size >= 0}
         mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
-        stamp = time.time() if now is None else now
-        out = replace(
-            out,
-            bytes=sum(files.values()),
-            files=sum(1 for n in files if n.endswith(DATA_SUFFIX)),
-            age_s=(stamp - max(mtimes.values())) if mtimes else None,
-        )
+        out = replace(out, **_counts(files, mtimes, stamp))
     if info.published is None and files is not None:
         out = replace(out, published=METADATA_NAME in files)  # the location's listing says it
     if out.published is False:
@@ -253,6 +261,18 @@ def inspect_step(
     out = replace(out, published=True)
     if files is None:
         files = retry(f"list {info.name}", lambda: checkpoint_files(location))
+    elif details:
+        # Only what the .metadata references is the checkpoint: a killed later save's data files
+        # beside it stay until gc and made it look larger (and newer) than it is. Unreferenced is
+        # gc's rule: names a save writes that this .metadata does not need.
+        own = {METADATA_NAME, ABANDONED_NAME, *data_file_names(metadata)}
+        unreferenced = {n: size for n, size in files.items() if n not in own and is_checkpoint_file(n)}
+        out = replace(
+            out,
+            **_counts({n: size for n, size in files.items() if n in own}, mtimes, stamp),
+            unreferenced_files=len(unreferenced),
+            unreferenced_bytes=sum(unreferenced.values()),
+        )
     manifest = manifest_of(metadata)
     damage = None if rollback_first else missing_or_short(location, metadata, files)
     if damage is not None:
@@ -263,6 +283,17 @@ def inspect_step(
         return replace(out, state="abandoned", problem=marker, abandoned=True)
     damage = missing_or_short(location, metadata, files) if rollback_first else None
     return replace(out, state="broken" if damage else "complete", problem=damage, abandoned=False)
+
+
+def _counts(counted: dict[str, int], mtimes: dict[str, float], now: float) -> dict[str, Any]:
+    """``bytes``, ``files`` and ``age_s`` of :class:`CheckpointInfo` for the files ``counted``
+    (name -> bytes; ``mtimes``: name -> Unix seconds, where the store keeps them)."""
+    times = [mtimes[n] for n in counted if n in mtimes]
+    return {
+        "bytes": sum(counted.values()),
+        "files": sum(1 for n in counted if n.endswith(DATA_SUFFIX)),
+        "age_s": (now - max(times)) if times else None,
+    }
 
 
 def scan(root: Volume, *, now: float | None = None) -> list[CheckpointInfo]:

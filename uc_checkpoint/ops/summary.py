@@ -42,10 +42,16 @@ class CheckpointSummary:
             a file is missing, short or the metadata unreadable; see ``problem``) or
             ``"abandoned"`` (complete, but on a branch a rollback left: ``latest()`` skips it; see
             :mod:`uc_checkpoint.ops.lineage`).
-        bytes: total size of the files at the location, in bytes.
-        files: number of data files at the location.
-        age_s: seconds since the newest file there was written (None when the store has no times).
+        bytes: size of the checkpoint's own files, in bytes: for a published checkpoint whose
+            ``.metadata`` decodes, that ``.metadata``, its rollback marker if any and the data files
+            it references (as ``inspect`` counts them); otherwise every file at the location.
+        files: number of data files counted in ``bytes``.
+        age_s: seconds since the newest of those files was written (None when the store has no times).
         problem: what is wrong with a broken checkpoint (or which rollback abandoned it), else None.
+        unreferenced_files: files a save writes that lie at a published checkpoint's location but
+            that its ``.metadata`` does not reference (a killed later save's leftovers, removed by
+            ``uc-checkpoint gc`` once old, or a save in progress there); 0 where none or not known.
+        unreferenced_bytes: their total size in bytes.
     """
 
     step: int
@@ -56,6 +62,8 @@ class CheckpointSummary:
     files: int
     age_s: float | None
     problem: str | None = None
+    unreferenced_files: int = 0
+    unreferenced_bytes: int = 0
 
 
 def list_root(root: str | Volume) -> list[CheckpointSummary]:
@@ -81,6 +89,8 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
             age_s=info.age_s,
             # An unpublished location has no problem to show, even one unpublished while listed.
             problem=info.problem if info.state in ("broken", "abandoned") else None,
+            unreferenced_files=info.unreferenced_files or 0,
+            unreferenced_bytes=info.unreferenced_bytes or 0,
         )
         for info in catalog.scan(volume)
     ]
