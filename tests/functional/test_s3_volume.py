@@ -419,6 +419,26 @@ def test_ranges_are_received_into_the_callers_buffer_over_one_connection(s3_serv
     assert sum(pools[k].num_connections for k in pools.keys()) <= 2
 
 
+def test_only_whole_object_gets_are_checked_by_botocore_too(s3_server: str, s3_bucket: str) -> None:
+    """A ranged read, even one covering the whole object (the answer then carries the stored
+    CRC-32), is checked against the manifest's block CRC-32s alone, not a second time by botocore;
+    a whole-object GET (``.metadata``) keeps botocore's check."""
+    import os
+
+    volume = s3_volume(s3_server, s3_bucket, "rangecheck")
+    data = os.urandom((1 << 20) + 5)
+    volume.client.put_object(Bucket=s3_bucket, Key=volume.key("f"), Body=data, ChecksumAlgorithm="CRC32")
+    bodies: list[str] = []  # botocore wraps a body it checks in a StreamingChecksumBody
+    volume.client.meta.events.register(
+        "after-call.s3.GetObject", lambda parsed, **_: bodies.append(type(parsed["Body"]).__name__)
+    )
+    out = bytearray(len(data))
+    volume.read_range_into("f", 0, memoryview(out))
+    assert bytes(out) == data and volume.read_range("f", 0, len(data)) == data
+    assert volume.read_bytes("f") == data
+    assert bodies == ["StreamingBody", "StreamingBody", "StreamingChecksumBody"], bodies
+
+
 def test_bodies_cut_off_while_received_into_a_buffer_are_fetched_again(
     s3_server: str, s3_bucket: str, fault_proxy: FaultProxy
 ) -> None:
