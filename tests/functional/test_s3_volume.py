@@ -115,6 +115,30 @@ def test_a_file_below_the_multipart_threshold_is_one_put_the_store_checks(
     assert len(gets) == 1, [r.header("Range") for r in gets]
 
 
+def test_a_publish_proven_by_its_etag_is_not_read_back(
+    s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
+) -> None:
+    """A store that keeps no CRC-32 (here: none asked for) still answers a PUT with the MD5 of what
+    it stored as its ETag: that proves the .metadata, with no GET of it after the PUT."""
+    from uc_checkpoint.volumes.s3 import _etag_is_md5_of
+
+    assert s3_volume(fault_proxy.url, s3_bucket, "etag-x", checksums=False).publish_bytes("x", b"some bytes") is True
+    volume = s3_volume(fault_proxy.url, s3_bucket, "etag", checksums=False)
+    assert not _etag_is_md5_of('"0123456789abcdef0123456789abcdef-2"', b"some bytes")  # multipart / KMS form
+    assert not _etag_is_md5_of(None, b"")
+    fault_proxy.reset()
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=UCVolumeWriter(volume))
+    meta = [
+        (r.method, r.header("x-amz-checksum-crc32"))
+        for r in fault_proxy.history
+        if r.path.split("?")[0].endswith("/.metadata")
+    ]
+    assert meta == [("PUT", None)], meta  # no CRC-32 sent, and no read-back
+    out = {"w": torch.zeros(10)}
+    dcp.load(out, storage_reader=UCVolumeReader(volume))
+    assert torch.equal(out["w"], torch.arange(10.0))
+
+
 def test_partial_load_fetches_only_the_needed_ranges(
     s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
 ) -> None:

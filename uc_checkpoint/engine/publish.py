@@ -220,7 +220,7 @@ def read_published(
 
 def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool, read_manifest: ManifestReader) -> None:
     """Publish ``blob`` as ``name`` in one atomic write, then read it back unless the store's answer
-    to the write already proved the bytes (an object store's checksum, see
+    to the write already proved the bytes (an object store's CRC-32 or MD5 ETag, see
     :meth:`Volume.publish_bytes`).
 
     The read-back compares content, not size: some mounts report a rename or a write as done and

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import random
 import threading
@@ -617,9 +618,11 @@ class S3Volume(Volume):
         reported = response.get("ChecksumCRC32")
         if reported and reported != crc32_base64(crc32(data)):
             raise TransferError(f"{where} was stored with CRC-32 {reported}, which does not match the bytes sent")
-        # S3 is read-after-write consistent: a 200 carrying the CRC-32 of these bytes is the store's
-        # own word that they are what a GET now returns, so the publish needs no read-back.
-        return bool(reported)
+        # S3 is read-after-write consistent: a 200 carrying the CRC-32 of these bytes, or an ETag that
+        # is their MD5 (S3's ETag of a single-part object without KMS or customer-key encryption, and
+        # that of stores that keep no checksums), is the store's own word that they are what a GET
+        # now returns, so the publish needs no read-back. Another ETag proves nothing either way.
+        return bool(reported) or _etag_is_md5_of(response.get("ETag"), data)
 
     def delete(self, name: str) -> None:
         try:
@@ -648,6 +651,12 @@ class S3Volume(Volume):
         except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a save
             logger.warning("could not abort incomplete uploads under %s: %s", self.url, exc)
         return aborted
+
+
+def _etag_is_md5_of(etag: str | None, data: bytes) -> bool:
+    """Whether ``etag`` (as S3 answers it, in quotes) is the MD5 of ``data``: what stores that keep
+    no CRC-32 report for an object written by one PUT (MD5 only names content here, not a secret)."""
+    return etag is not None and etag.strip('"').lower() == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 def _no_store_checksum_of_ranges(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
