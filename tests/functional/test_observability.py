@@ -47,12 +47,13 @@ def test_retries_are_counted_on_a_throttling_store(
     s3_server: str, s3_bucket: str, staging: Path, fault_proxy: FaultProxy
 ) -> None:
     volume = S3Volume(f"s3://{s3_bucket}/obs", endpoint_url=fault_proxy.url, max_attempts=10)
-    fault_proxy.match = lambda method, path: ".distcp" in path
-    fault_proxy.throttle_rate = 0.4
+    puts = iter(range(1000))
+    fault_proxy.match = lambda method, path: method == "PUT" and ".distcp" in path and next(puts) < 3
+    fault_proxy.throttle_rate = 1.0  # the first three data uploads are refused once each
     writer = UCVolumeWriter(volume, file_size_bytes=128 << 10)
     dcp.save(state(2.0), storage_writer=writer)
     saved_throttles = fault_proxy.injected["throttle"]
-    assert saved_throttles > 0
+    assert saved_throttles == 3
     assert writer.last_record.retries == saved_throttles  # every refused request was retried once more
     gets = iter(range(1000))
     fault_proxy.match = lambda method, path: method == "GET" and ".distcp" in path and next(gets) < 2
