@@ -56,6 +56,7 @@ def test_fields_and_defaults_are_the_constructors(options, component) -> None:
         (ReaderOptions, {"download_workers": 0}, ValueError, "download_workers must be >= 1"),
         (ReaderOptions, {"range_gap_bytes": -1}, ValueError, "range_gap_bytes must be >= 0"),
         (ReaderOptions, {"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes must be >= 1"),
+        (ReaderOptions, {"range_chunk_bytes": 4095}, ValueError, "range_chunk_bytes must be >= 65536"),
         (ReaderOptions, {"prefetch_files": "yes"}, TypeError, "prefetch_files must be bool or None, got str"),
         (ReaderOptions, {"verify_checksum": False}, TypeError, "unknown reader option 'verify_checksum'"),
         (ReaderOptions, {"upload_workers": 2}, TypeError, "unknown reader option 'upload_workers'"),
@@ -142,3 +143,11 @@ def test_the_managers_option_dicts_stay_adjustable(tmp_path) -> None:
     assert manager.writer_options["upload_workers"] == 2
     manager.writer_options["upload_workers"] = 3  # a dict, as before: the next save takes it
     assert manager.writer_options["upload_workers"] == 3
+
+
+@pytest.mark.parametrize("chunk", [1, 4095, (64 << 10) - 1])
+def test_the_reader_refuses_ranged_gets_of_a_few_bytes(chunk: int, tmp_path: Path) -> None:
+    # A range widened to a 4 MiB checksum block, in pieces of a few bytes, is millions of requests.
+    with pytest.raises(ValueError, match=rf"range_chunk_bytes must be >= 65536 \(64 KiB.*got {chunk}"):
+        UCVolumeReader(str(tmp_path), range_chunk_bytes=chunk)
+    assert UCVolumeReader(str(tmp_path), range_chunk_bytes=64 << 10).range_chunk_bytes == 64 << 10

@@ -32,7 +32,13 @@ from uc_checkpoint.dcp.compat import _StorageInfo
 from uc_checkpoint.dcp.items import ChunkShapes, ItemLoader, chunk_shapes
 from uc_checkpoint.dcp.sessions import Session, SessionOwner
 from uc_checkpoint.engine.fetch import fetch_files, fetch_ranges
-from uc_checkpoint.engine.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES, DEFAULT_MAX_RANGE_BYTES, plan_ranges
+from uc_checkpoint.engine.ranges import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_GAP_BYTES,
+    DEFAULT_MAX_RANGE_BYTES,
+    MIN_CHUNK_BYTES,
+    plan_ranges,
+)
 from uc_checkpoint.engine.staging_dir import staging_dir_for
 from uc_checkpoint.errors import CheckpointNotFoundError, UCCheckpointError
 from uc_checkpoint.format import layout
@@ -80,7 +86,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         prefetch_files: ``True``: download each needed file whole into ``staging_dir``, then read
             it. ``False``: fetch only the byte ranges the load plan needs into memory (ranges of a
             file closer than ``range_gap_bytes`` are merged; big ranges are fetched as parallel
-            pieces of ``range_chunk_bytes``). ``None`` (default): ranges on object stores and
+            pieces of ``range_chunk_bytes``, at least 64 KiB). ``None`` (default): ranges on object stores and
             fsspec volumes, whole files on local and FUSE paths.
         max_inflight_bytes: ranged reads hold at most this many fetched bytes in memory before
             they are deserialised (one range larger than this is fetched alone).
@@ -126,9 +132,13 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
         if download_workers < 1:
             raise ValueError(f"download_workers must be >= 1, got {download_workers}")
-        for arg, value in (("max_inflight_bytes", max_inflight_bytes), ("range_chunk_bytes", range_chunk_bytes)):
-            if value < 1:
-                raise ValueError(f"{arg} must be >= 1, got {value}")
+        if max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
+        if range_chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(
+                f"range_chunk_bytes must be >= {MIN_CHUNK_BYTES} (64 KiB; each piece is one request), "
+                f"got {range_chunk_bytes}"
+            )
         if range_gap_bytes < 0:
             raise ValueError(f"range_gap_bytes must be >= 0, got {range_gap_bytes}")
         self._init_sessions(path, volume_options)

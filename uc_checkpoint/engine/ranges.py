@@ -26,6 +26,9 @@ DEFAULT_GAP_BYTES = 1 << 20
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
 #: Largest single GET (bytes); bigger ranges are fetched as parallel pieces.
 DEFAULT_CHUNK_BYTES = 16 << 20
+#: The smallest piece size a reader accepts (bytes): every piece is a request, and a range widened
+#: to a 4 MiB checksum block in pieces of a few bytes would be millions of them.
+MIN_CHUNK_BYTES = 64 << 10
 #: A range's last piece shorter than ``chunk_bytes // TAIL_FOLD`` is read with the piece before it:
 #: a data file is a few KiB of archive records longer than its tensors, and a GET of those few KiB
 #: alone costs a whole request's latency (and doubled a load's GETs).

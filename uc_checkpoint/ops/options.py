@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from uc_checkpoint.engine.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES
+from uc_checkpoint.engine.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES, MIN_CHUNK_BYTES
 from uc_checkpoint.format.layout import MAX_SPREAD_PREFIXES
 
 logger = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class ReaderOptions(_Options):
         max_inflight_bytes: fetched bytes (>= 1) ranged reads hold in memory before they are
             deserialised (one range larger than this is fetched alone).
         range_gap_bytes: ranges of one file closer than this many bytes (>= 0) are fetched as one.
-        range_chunk_bytes: largest single ranged GET in bytes (>= 1); bigger ranges are fetched
+        range_chunk_bytes: largest single ranged GET in bytes (>= 64 KiB); bigger ranges are fetched
             as parallel pieces of this size.
         allow_unsafe_metadata: unpickle ``.metadata`` with plain :func:`pickle.loads`. **Risk:**
             whoever can write to the root can then run code in this process; see
@@ -196,7 +196,7 @@ class ReaderOptions(_Options):
         "prefetch_files": ((bool, type(None)), None),
         "max_inflight_bytes": ((int,), 1),
         "range_gap_bytes": ((int,), 0),
-        "range_chunk_bytes": ((int,), 1),
+        "range_chunk_bytes": ((int,), MIN_CHUNK_BYTES),
         "allow_unsafe_metadata": ((bool,), None),
     }
     _FOR: ClassVar[str] = "reader"
