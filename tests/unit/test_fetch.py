@@ -389,23 +389,33 @@ def test_a_failing_download_is_one_transfer_error(volume: Volume, tmp_path: Path
 
 
 def test_range_buffers_are_received_into_again_within_their_limit() -> None:
+    """Buffers lent out plus buffers kept stay within the limit, and a kept buffer serves only a
+    range that fills 80% of it: what a load holds stays near its max_inflight_bytes."""
     from uc_checkpoint.engine.fetch import _Buffers
 
     pool = _Buffers(limit=300)
+
+    def held() -> int:
+        return pool._lent + sum(map(len, pool._free))
+
     a = pool.take(100)
     # New memory is an anonymous map: untouched until received into (no zero-fill by this thread).
     assert len(a) == 100 and isinstance(a.obj, mmap.mmap) and not a.readonly and bytes(a) == bytes(100)
     pool.give(a)
-    b = pool.take(60)  # fits the kept 100-byte buffer (at most twice the size asked for)
-    assert b.obj is a.obj and len(b) == 60
+    b = pool.take(80)  # fills 80% of the kept 100-byte buffer: received into it
+    assert b.obj is a.obj and len(b) == 80
     c = pool.take(40)  # nothing kept that fits: new memory
     assert c.obj is not a.obj
     pool.give(b)
     pool.give(c)  # kept: 100 + 40 bytes
-    small = pool.take(10)  # both kept buffers are more than twice as large
-    assert small.obj is not a.obj and small.obj is not c.obj
-    big = pool.take(250)
-    pool.give(big)  # 140 + 250 > 300: not kept
-    again = pool.take(200)
-    assert again.obj is not big.obj and again.obj is not a.obj
+    x = pool.take(79)  # under 80% of 100 and more than 40: new memory
+    assert x.obj is not a.obj and x.obj is not c.obj
+    y = pool.take(35)
+    assert y.obj is c.obj
+    big = pool.take(250)  # alone over the limit (the byte budget lets one larger range through)
+    pool.give(big)  # not kept: 119 lent + 100 kept + 250 > 300
+    assert held() == 219
+    pool.give(x)
+    pool.give(y)
+    assert held() <= pool.limit
     assert pool.take(90).obj is a.obj

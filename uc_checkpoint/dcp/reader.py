@@ -89,7 +89,8 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             pieces of ``range_chunk_bytes``, at least 64 KiB). ``None`` (default): ranges on object stores and
             fsspec volumes, whole files on local and FUSE paths.
         max_inflight_bytes: ranged reads hold at most this many fetched bytes in memory before
-            they are deserialised (one range larger than this is fetched alone).
+            they are deserialised (one range larger than this is fetched alone; a range received
+            into a reused buffer may occupy up to a quarter more).
         allow_unsafe_metadata: unpickle ``.metadata`` with plain :func:`pickle.loads`. By default
             it may name only the classes DCP's metadata is made of
             (:data:`uc_checkpoint.dcp.metadata_io.ALLOWED_GLOBALS` and torch dtypes). **Risk:** a

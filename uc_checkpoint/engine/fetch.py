@@ -359,26 +359,41 @@ def _new_buffer(nbytes: int) -> memoryview:
 class _Buffers:
     """Range buffers given back after their range was consumed, received into again by a later
     range: fresh memory costs the kernel a page fault and a zeroing per 4 KiB page on first touch,
-    about as much CPU as copying the bytes. Used from one thread; keeps at most ``limit`` bytes.
+    about as much CPU as copying the bytes. Used from one thread.
+
+    Bounds: the buffers lent out and those kept together stay within ``limit`` bytes (a buffer
+    given back is kept only while they do), and a kept buffer serves a range of at least
+    :data:`REUSE_FILL` of its size, so what is lent exceeds the ranges' own bytes by a quarter
+    at most.
     """
+
+    #: A kept buffer serves a request of at least this fraction of its size.
+    REUSE_FILL = 0.8
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._free: list[mmap.mmap] = []
+        self._lent = 0  # bytes of the buffers taken and not given back
 
     def take(self, nbytes: int) -> memoryview:
-        """A writable view of ``nbytes`` bytes, from a kept buffer of at most twice that size
-        (the smallest that fits), else new memory."""
-        fits = [b for b in self._free if nbytes <= len(b) <= 2 * nbytes]
-        if not fits:
-            return _new_buffer(nbytes)
-        buf = min(fits, key=len)
-        self._free.remove(buf)
-        return memoryview(buf)[:nbytes]
+        """A writable view of ``nbytes`` bytes, from the smallest kept buffer that fits it at
+        :data:`REUSE_FILL` or better, else new memory."""
+        fits = [b for b in self._free if nbytes <= len(b) and nbytes >= self.REUSE_FILL * len(b)]
+        if fits:
+            buf = min(fits, key=len)
+            self._free.remove(buf)
+            self._lent += len(buf)
+            return memoryview(buf)[:nbytes]
+        view = _new_buffer(nbytes)
+        self._lent += len(view.obj)  # type: ignore[arg-type]  # an mmap
+        return view
 
     def give(self, view: memoryview) -> None:
         buf = view.obj
-        if isinstance(buf, mmap.mmap) and sum(map(len, self._free)) + len(buf) <= self.limit:
+        if not isinstance(buf, mmap.mmap):
+            return
+        self._lent -= len(buf)
+        if self._lent + sum(map(len, self._free)) + len(buf) <= self.limit:
             self._free.append(buf)
 
 
