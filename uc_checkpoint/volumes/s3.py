@@ -7,8 +7,8 @@
   above ``multipart_threshold`` are sent as parts, concurrently, and ``max_concurrency`` bounds the
   requests in flight for all files of the process together. Parts are read from the staged file on
   demand, so memory stays at a few parts per thread. A smaller file is one ``PutObject``.
-- Every upload is verified before it counts. A ``PutObject`` carries the CRC-32 computed while
-  staging (``x-amz-checksum-crc32``), which S3 checks against the body before storing it; an
+- Every upload is verified before it counts. A ``PutObject`` carries the staged file's CRC-32 (the
+  one the manifest records, ``x-amz-checksum-crc32``), which S3 checks against the body before storing it; an
   answer that carries it back proves the object. Otherwise (multipart uploads, stores that echo
   no checksum) a HEAD checks the object's size, and its CRC-32 as the store reports it (whole-object
   or S3's composite multipart form) against the CRC-32 computed locally. Stores that keep no
@@ -441,7 +441,8 @@ class S3Volume(Volume):
         """Upload a file below the multipart threshold with one ``PutObject``; True when the store's
         answer proves the bytes landed (it carries the CRC-32 sent).
 
-        With ``checksum``, the CRC-32 computed while staging goes in ``x-amz-checksum-crc32``:
+        With ``checksum``, the staged file's CRC-32 (``record``'s, which the manifest keeps) goes in
+        ``x-amz-checksum-crc32``:
         botocore then computes none of its own (one pass over the bytes fewer), and S3 checks the
         body against it, refusing the object (``BadDigest``) when a byte changed on the way, so a
         200 carrying that CRC-32 needs no HEAD to confirm it.
