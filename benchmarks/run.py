@@ -359,9 +359,12 @@ def main(argv: list[str] | None = None) -> int:
                                 r["size_mb"] = size_mb
                                 results.append(r)
     report = Path(args.report)
+    # The results are committed: a report inside the checkout is recorded relative to it, not as
+    # this machine's path.
+    shown = os.path.relpath(report.resolve(), REPO) if report.resolve().is_relative_to(REPO.resolve()) else str(report)
     raw = {
         "machine": machine(stores),
-        "args": {**vars(args), "stores": stores},
+        "args": {**vars(args), "report": shown, "stores": stores},
         "skipped_cases": skipped,
         "store_note": store_note,
         "results": results,

@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 # DataLoader workers are forked and import numpy.random on start; if another thread of this process
@@ -109,6 +109,16 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     return run_script([exe, "--standalone", f"--nproc_per_node={nproc}", str(script), *args], timeout=timeout, env=env)
+
+
+def assert_ranks_ok(proc: subprocess.CompletedProcess, ranks: int, modes: Iterable[str]) -> None:
+    """The torchrun job exited 0 and every rank printed ``RANK <r> <mode> OK`` for every mode (its
+    output's tail in the message otherwise)."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for mode in modes:
+        for rank in range(ranks):
+            assert f"RANK {rank} {mode} OK" in proc.stdout, out[-6000:]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SCRIPTS, torchrun
+from tests.conftest import SCRIPTS, assert_ranks_ok, torchrun
 from tests.support.s3_fixtures import FaultProxy, s3_client
 
 LOCAL_MODES = ("sync", "thread", "process", "onefails")
@@ -40,11 +40,7 @@ def test_two_ranks_local_and_s3(tmp_path: Path, s3_server: str, s3_bucket: str, 
             "UC_TEST_STAGING_ROOT": str(tmp_path / "staging"),
         },
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    for mode in (*LOCAL_MODES, *S3_MODES):
-        for rank in (0, 1):
-            assert f"RANK {rank} {mode} OK" in proc.stdout, out[-6000:]
+    assert_ranks_ok(proc, 2, (*LOCAL_MODES, *S3_MODES))
     for mode in LOCAL_MODES:
         assert (tmp_path / mode / ".metadata").is_file()  # onefails: the good checkpoint's
     stored = [o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=s3_bucket).get("Contents", [])]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SCRIPTS, torchrun
+from tests.conftest import SCRIPTS, assert_ranks_ok, torchrun
 from tests.support.s3_fixtures import FaultProxy
 
 RANKS = 4
@@ -34,11 +34,7 @@ def test_a_load_reads_replicated_small_items_with_one_get_per_rank(
         timeout=180,
         env={"AWS_ENDPOINT_URL": fault_proxy.url, "UC_CHECKPOINT_STAGING_DIR": str(tmp_path / "staging")},
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    for rank in range(RANKS):
-        for mode in ("default", "uc"):
-            assert f"RANK {rank} {mode} OK" in proc.stdout, out[-6000:]
+    assert_ranks_ok(proc, RANKS, ("default", "uc"))
     uc, default = _data_gets(fault_proxy, s3_bucket, "uc"), _data_gets(fault_proxy, s3_bucket, "default")
     # Each rank: its own large files, plus one GET of rank 0's small-items file (rank 0's is its own).
     assert len(uc) <= RANKS * (LARGE_FILES_PER_RANK + 1), sorted(uc)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SCRIPTS, torchrun
+from tests.conftest import SCRIPTS, assert_ranks_ok, torchrun
 from tests.support.s3_fixtures import FaultProxy, s3_client
 
 RANKS = 4
@@ -37,11 +37,7 @@ def test_spreading_over_prefixes_avoids_the_per_prefix_throttle(
         timeout=180,
         env={"AWS_ENDPOINT_URL": fault_proxy.url, "UC_CHECKPOINT_STAGING_DIR": str(tmp_path / "staging")},
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    for rank in range(RANKS):
-        for mode in ("flat", "spread", "stock"):
-            assert f"RANK {rank} {mode} OK" in proc.stdout, out[-6000:]
+    assert_ranks_ok(proc, RANKS, ("flat", "spread", "stock"))
 
     throttled = fault_proxy.prefix_throttled
     flat = sum(n for p, n in throttled.items() if p.startswith(f"{s3_bucket}/run/flat"))
