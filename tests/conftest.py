@@ -26,6 +26,17 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_s3_clients() -> Iterator[None]:
+    """Each test starts with no shared boto3 client (uc_checkpoint.volumes.s3.CLIENTS): tests hook
+    events onto their volume's client, which must not reach the next test's volumes."""
+    from uc_checkpoint.volumes.s3 import CLIENTS
+
+    CLIENTS.clear()
+    yield
+    CLIENTS.clear()
+
+
 @pytest.fixture
 def staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A staging root used through ``UC_CHECKPOINT_STAGING_DIR``."""

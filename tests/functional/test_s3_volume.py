@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -502,3 +503,83 @@ def test_payload_signing_on_plain_http_is_a_choice(
     assert pickle.loads(pickle.dumps(volume)).sign_payload is sign_payload
     with pytest.raises(VolumeError, match="sign_payload"):
         S3Volume("s3://bucket/p", sign_payload="no")  # type: ignore[arg-type]
+
+
+def test_volumes_with_the_same_settings_share_one_client(
+    s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job builds a writer, and so a volume, for every save: the second volume must not build a
+    client (and open connections) again; other settings, other credentials or a factory must."""
+    from uc_checkpoint.volumes.s3 import CLIENTS
+
+    first = s3_volume(s3_server, s3_bucket, "ckpt/step-1")
+    assert first.list_files() == {}
+    second = s3_volume(s3_server, s3_bucket, "ckpt/step-2")
+    assert second.client is first.client
+    # Anything the client is built from gives another client.
+    assert s3_volume(s3_server, s3_bucket, "ckpt/step-3", max_attempts=3).client is not first.client
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key")
+    assert s3_volume(s3_server, s3_bucket, "ckpt/step-4").client is not first.client
+    monkeypatch.undo()
+    assert s3_volume(s3_server, s3_bucket, "ckpt/step-5").client is first.client
+    built: list[object] = []
+
+    def factory() -> object:
+        built.append(s3_client(s3_server))
+        return built[-1]
+
+    a = S3Volume(f"s3://{s3_bucket}/f/1", client_factory=factory)
+    b = S3Volume(f"s3://{s3_bucket}/f/2", client_factory=factory)
+    assert a.client is built[0] and b.client is built[1]  # a factory's clients are the caller's own
+    # A volume crossing to another process takes a client there.
+    clone = pickle.loads(pickle.dumps(second))
+    assert clone.client is first.client  # same process: the cached one
+    assert clone.list_files() == {}
+    CLIENTS.clear()
+    assert s3_volume(s3_server, s3_bucket, "ckpt/step-6").client is not first.client
+
+
+def test_the_client_cache_is_bounded_and_per_process() -> None:
+    import multiprocessing
+
+    from uc_checkpoint.volumes.s3 import ClientCache
+
+    cache = ClientCache(size=2)
+    made: list[object] = []
+
+    def build() -> object:
+        made.append(_FakeClient())
+        return made[-1]
+
+    a = cache.get(("a",), build)[0]
+    assert cache.get(("a",), build)[0] is a
+    cache.get(("b",), build)
+    cache.get(("a",), build)  # a is now the most recently used
+    cache.get(("c",), build)  # b goes
+    assert cache.get(("a",), build)[0] is a and len(made) == 3
+    cache.get(("b",), build)
+    assert len(made) == 4
+    # A forked child never uses its parent's client (its connections are the parent's).
+    ctx = multiprocessing.get_context("fork")
+    answers = ctx.SimpleQueue()
+    child = ctx.Process(target=_client_ids_in_child, args=(cache, ("a",), answers))  # fork: not pickled
+    child.start()
+    child.join(60)
+    in_child, parents = answers.get()
+    assert id(a) in parents and in_child not in parents
+
+
+class _FakeClient:
+    """Stands for a boto3 client in the cache's own tests: only its event registry is used."""
+
+    class meta:  # noqa: N801 - boto3's attribute name
+        class events:  # noqa: N801
+            @staticmethod
+            def register(*_: object, **__: object) -> None:
+                pass
+
+
+def _client_ids_in_child(cache: Any, settings: tuple, answers: Any) -> None:
+    """In a forked child: the id of the client ``cache`` gives for ``settings``, and the parent's ids."""
+    parents = [id(client) for client, _ in cache._entries.values()]
+    answers.put((id(cache.get(settings, _FakeClient)[0]), parents))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -21,13 +22,21 @@ CTX = mp.get_context("fork")
 
 
 class Gate:
-    """A state-dict value whose serialisation (inside the save's write step, after its marker is on
-    the volume) announces itself and then waits, so the other job's whole save fits in between."""
+    """A state-dict value whose serialisation (inside the save's write step) waits until the
+    location holds ``markers`` save markers (the save claims its location in the background while
+    it serialises, and uploads nothing before that), announces itself and then waits, so the other
+    job's whole save fits in between."""
 
-    def __init__(self, reached: mp.synchronize.Event, release: mp.synchronize.Event) -> None:
-        self.reached, self.release = reached, release
+    def __init__(
+        self, reached: mp.synchronize.Event, release: mp.synchronize.Event, dest: Path, markers: int = 1
+    ) -> None:
+        self.reached, self.release, self.dest, self.markers = reached, release, dest, markers
 
     def __getstate__(self) -> dict:
+        deadline = time.monotonic() + 60
+        while len([n for n in os.listdir(self.dest) if parse_save_marker(n)]) < self.markers:
+            assert time.monotonic() < deadline, f"no {self.markers} save markers at {self.dest}"
+            time.sleep(0.005)
         self.reached.set()
         assert self.release.wait(120), "the test never released the first save"
         return {}
@@ -77,7 +86,7 @@ def test_overlapping_saves_one_fails_clearly_and_nothing_mixes(
     dcp.save(job_state(0.0), storage_writer=UCVolumeWriter(dest))  # a previous good checkpoint
 
     reached_a, release_a = CTX.Event(), CTX.Event()
-    older = start(dest, 1.0, Gate(reached_a, release_a))
+    older = start(dest, 1.0, Gate(reached_a, release_a, dest))
     assert reached_a.wait(120), "the first save never reached its write step"
     if newer_finishes_first:
         # The newer job starts and publishes while the older one is still writing.
@@ -88,7 +97,7 @@ def test_overlapping_saves_one_fails_clearly_and_nothing_mixes(
     else:
         # The older job reaches its publish while the newer one is still writing.
         reached_b, release_b = CTX.Event(), CTX.Event()
-        newer = start(dest, 2.0, Gate(reached_b, release_b))
+        newer = start(dest, 2.0, Gate(reached_b, release_b, dest, markers=2))
         assert reached_b.wait(120)
         release_a.set()
         error = finish(*older)
@@ -113,7 +122,7 @@ def test_a_killed_saves_marker_does_not_block_the_next_save(tmp_path: Path, stag
     dest = tmp_path / "ckpt"
     dcp.save(job_state(0.0), storage_writer=UCVolumeWriter(dest))
     reached, release = CTX.Event(), CTX.Event()
-    proc, conn = start(dest, 1.0, Gate(reached, release))
+    proc, conn = start(dest, 1.0, Gate(reached, release, dest))
     assert reached.wait(120)
     os.kill(proc.pid, 9)  # preempted mid-save: its marker stays behind
     proc.join(30)

@@ -252,3 +252,37 @@ def test_large_items_are_copied_straight_into_the_target(dtype: torch.dtype) -> 
     assert not codec.decode_into(bytes(damaged), untouched)
     assert not codec.decode_into(archive[:-1][: len(archive) // 2], untouched)  # cut short
     assert not untouched.any()
+
+
+def test_templates_and_heads_are_built_once_per_process_and_hold_no_tensor_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job saves and loads the same shapes again and again: a new codec (one per save or load)
+    must not run torch.save for a (dtype, shape) an earlier one built; what is kept is the archive
+    around the tensor, not a tensor's worth of bytes."""
+    from uc_checkpoint.dcp import item_codec
+
+    small = torch.arange(MAX_FAST_BYTES // 4, dtype=torch.float32).reshape(64, -1) * 0.5
+    large = torch.ones(1025, 256, dtype=torch.float32)  # above MAX_FAST_BYTES: the head path
+    ItemCodec().write(small, io.BytesIO())
+    archive = io.BytesIO()
+    torch.save(large, archive)
+    assert ItemCodec().decode_into(archive.getvalue(), torch.empty_like(large))
+    saves: list[object] = []
+    original = torch.save
+
+    def counting(*args: object, **kwargs: object) -> None:
+        saves.append(args[0])
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", counting)
+    monkeypatch.setattr(item_codec, "save_without_zip_crc", lambda *_: saves.append("head"))
+    codec = ItemCodec()
+    out = io.BytesIO()
+    codec.write(small, out)
+    target = torch.empty_like(large)
+    assert codec.decode_into(archive.getvalue(), target) and torch.equal(target, large)
+    assert saves == [] and codec.fast_encoded == 1 and codec.fast_decoded == 1
+    assert torch.equal(torch.load(io.BytesIO(out.getvalue()), weights_only=True), small)
+    template = item_codec._template_for(torch.float32, (64, small.numel() // 64))
+    assert template is not None and len(template.head) + len(template.tail) < 4096 < template.size

@@ -22,12 +22,12 @@ CPU. The output stays a valid ``torch.save`` archive that DCP's ``FileSystemRead
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
 import mmap
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 #: Tensors up to this many bytes take the template path; above it the per-item cost of torch.save
 #: is small next to copying the data, and torch's own writer handles alignment and ZIP64.
 MAX_FAST_BYTES = 256 << 10
-#: Bytes of templates one codec keeps (one per distinct (dtype, shape)); beyond it items use torch.save.
-MAX_TEMPLATE_BYTES = 64 << 20
+#: Templates and heads kept per process, each for one (dtype, shape): a few hundred bytes each
+#: (the archive around the tensor, not the tensor). Every save and load of a job asks for the same
+#: ones; building one costs ~0.5 ms (a torch.save and a torch.load).
+CACHED_LAYOUTS = 4096
 
 _LOCAL_HEADER = 0x04034B50
 _CENTRAL_HEADER = 0x02014B50
@@ -53,10 +55,26 @@ _END_OF_CENTRAL_DIR = 0x06054B50
 
 @dataclass(frozen=True)
 class _Template:
-    raw: bytes  # torch.save of a zero tensor of this dtype and shape
-    data_start: int  # the storage record's bytes: raw[data_start:data_end]
-    data_end: int
+    """torch.save's archive of a tensor of one dtype and shape, but for its tensor bytes: an item is
+    ``head + <tensor bytes> + tail`` with the tensor bytes' CRC-32 at ``crc_offsets``."""
+
+    head: bytes  # everything before the storage record
+    nbytes: int  # the storage record (the tensor's bytes)
+    tail: bytes  # everything after it
     crc_offsets: tuple[int, ...]  # where the storage record's CRC-32 is kept (descriptor, central dir)
+
+    @property
+    def data_start(self) -> int:
+        return len(self.head)
+
+    @property
+    def data_end(self) -> int:
+        return len(self.head) + self.nbytes
+
+    @property
+    def size(self) -> int:
+        """Bytes of an item built from this template."""
+        return self.data_end + len(self.tail)
 
 
 def _storage_layout(raw: Any, nbytes: int) -> tuple[int, int, tuple[int, ...]] | None:
@@ -200,115 +218,98 @@ def _fast_eligible(t: torch.Tensor) -> bool:
     )
 
 
+def _fill(template: _Template, t: torch.Tensor) -> bytearray:
+    """The item archive of ``t`` (a plain contiguous CPU tensor of the template's dtype and shape)."""
+    out = bytearray(template.size)
+    data = _raw_bytes(t)
+    start, end = template.data_start, template.data_end
+    out[:start] = template.head
+    out[start:end] = data
+    out[end:] = template.tail
+    crc = crc32(data)
+    for offset in template.crc_offsets:
+        struct.pack_into("<I", out, offset, crc)
+    return out
+
+
+@functools.lru_cache(maxsize=CACHED_LAYOUTS)
+def _template_for(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | None:
+    """The template of a ``dtype`` tensor of ``shape``, or None where the fast path must not be used."""
+    zero = torch.zeros(shape, dtype=dtype)
+    nbytes = zero.numel() * zero.element_size()
+    buf = io.BytesIO()
+    torch.save(zero, buf)
+    raw = buf.getvalue()
+    layout = _storage_layout(raw, nbytes)
+    if layout is None:
+        logger.debug("no fast item template for %s %s: unexpected archive layout", dtype, shape)
+        return None
+    start, end, crc_offsets = layout
+    template = _Template(raw[:start], end - start, raw[end:], crc_offsets)
+    # Trust the template only once torch.load reads back, bit for bit, an item built from it.
+    # Bytes that differ from their neighbours (0/1 for bool, whose other byte values are not
+    # booleans), built in uint8 so a probe costs no more memory than the tensor.
+    period = 2 if dtype == torch.bool else 251
+    probe = torch.arange(period, dtype=torch.uint8).repeat(-(-nbytes // period))[:nbytes]
+    sample = probe.view(dtype).reshape(shape)
+    try:
+        back = torch.load(io.BytesIO(_fill(template, sample)), map_location="cpu", weights_only=True)
+        ok = (
+            type(back) is torch.Tensor
+            and back.dtype == dtype
+            and tuple(back.shape) == shape
+            and bytes(_raw_bytes(back.contiguous())) == bytes(_raw_bytes(sample))
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use this template
+        logger.debug("no fast item template for %s %s: %s", dtype, shape, exc)
+        return None
+    return template if ok else None
+
+
+@functools.lru_cache(maxsize=CACHED_LAYOUTS)
+def _head_for(dtype: torch.dtype, shape: tuple[int, ...]) -> _Head | None:
+    """What precedes the storage record in the archive of a ``dtype`` tensor of ``shape``, or None
+    where it cannot be found that way."""
+    sample = torch.empty(shape, dtype=dtype)  # never written: its bytes are not part of a head
+    nbytes = sample.numel() * sample.element_size()
+    sink = _SparseSink()
+    try:
+        # torch's skip_data (2.6+) seeks over the storage record instead of writing it.
+        from torch.serialization import skip_data
+
+        with skip_data():
+            save_without_zip_crc(sample, sink)
+    except (ImportError, RuntimeError, TypeError) as exc:
+        logger.debug("no fast item head for %s %s: %s", dtype, shape, exc)
+        return None
+    # The archive laid out in lazily zeroed memory: only its header and directory pages are
+    # touched, the storage record in between never is.
+    with mmap.mmap(-1, max(sink.size, 1)) as raw:
+        for pos, part in sink.parts:
+            raw[pos : pos + len(part)] = part
+        layout = _storage_layout(raw, nbytes)
+        if layout is None:
+            logger.debug("no fast item head for %s %s: unexpected archive layout", dtype, shape)
+            return None
+        start, end, _ = layout
+        return _Head(raw[:start], end, tuple(sorted(c for c in _crc_fields(raw) if c + 4 <= start)))
+
+
 class ItemCodec:
     """Encodes tensor items as ``torch.save`` archives and decodes them, fast for small tensors.
 
-    One codec per save or load (thread-safe; the counters are approximate under threads); templates
-    are built lazily, at most :data:`MAX_TEMPLATE_BYTES` of them. Source of the idea: a zip archive's stored (uncompressed) records can be
-    patched in place when their length does not change, as long as the CRC-32 fields follow.
+    One codec per save or load (thread-safe; the counters are approximate under threads). The
+    templates and heads it uses are built on first use and kept for the process (at most
+    :data:`CACHED_LAYOUTS` of each, least recently used dropped first): they depend only on the
+    dtype, the shape and torch. Source of the idea: a zip archive's stored (uncompressed) records
+    can be patched in place when their length does not change, as long as the CRC-32 fields follow.
     """
 
     def __init__(self) -> None:
-        self._templates: dict[tuple[torch.dtype, tuple[int, ...]], _Template | None] = {}
-        self._heads: dict[tuple[torch.dtype, tuple[int, ...]], _Head | None] = {}
-        self._lock = threading.Lock()
-        self._template_bytes = 0
         #: Tensor items written, and how many of them through a template; items decoded fast.
         self.encoded = 0
         self.fast_encoded = 0
         self.fast_decoded = 0
-
-    # ---- templates --------------------------------------------------------------------------
-    def _template(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | None:
-        key = (dtype, shape)
-        template = self._templates.get(key, False)
-        if template is not False:
-            return template  # type: ignore[return-value]
-        with self._lock:
-            if key in self._templates:
-                return self._templates[key]
-            if self._template_bytes + math.prod(shape) * dtype.itemsize > MAX_TEMPLATE_BYTES:
-                return None
-            built = self._build(dtype, shape)
-            self._templates[key] = built
-            self._template_bytes += len(built.raw) if built is not None else 0
-            return built
-
-    def _build(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | None:
-        zero = torch.zeros(shape, dtype=dtype)
-        buf = io.BytesIO()
-        torch.save(zero, buf)
-        raw = buf.getvalue()
-        layout = _storage_layout(raw, zero.numel() * zero.element_size())
-        if layout is None:
-            logger.debug("no fast item template for %s %s: unexpected archive layout", dtype, shape)
-            return None
-        template = _Template(raw, *layout)
-        # Trust the template only once torch.load reads back, bit for bit, an item built from it.
-        nbytes = zero.numel() * zero.element_size()
-        # Bytes that differ from their neighbours (0/1 for bool, whose other byte values are not
-        # booleans), built in uint8 so a probe costs no more memory than the tensor.
-        period = 2 if dtype == torch.bool else 251
-        probe = torch.arange(period, dtype=torch.uint8).repeat(-(-nbytes // period))[:nbytes]
-        sample = probe.view(dtype).reshape(shape)
-        try:
-            back = torch.load(io.BytesIO(self._fill(template, sample)), map_location="cpu", weights_only=True)
-            ok = (
-                type(back) is torch.Tensor
-                and back.dtype == dtype
-                and tuple(back.shape) == shape
-                and bytes(_raw_bytes(back.contiguous())) == bytes(_raw_bytes(sample))
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this template
-            logger.debug("no fast item template for %s %s: %s", dtype, shape, exc)
-            return None
-        return template if ok else None
-
-    def _head(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _Head | None:
-        key = (dtype, shape)
-        head = self._heads.get(key, False)
-        if head is not False:
-            return head  # type: ignore[return-value]
-        with self._lock:
-            if key not in self._heads:
-                self._heads[key] = self._build_head(dtype, shape)
-            return self._heads[key]
-
-    @staticmethod
-    def _build_head(dtype: torch.dtype, shape: tuple[int, ...]) -> _Head | None:
-        sample = torch.empty(shape, dtype=dtype)  # never written: its bytes are not part of a head
-        nbytes = sample.numel() * sample.element_size()
-        sink = _SparseSink()
-        try:
-            # torch's skip_data (2.6+) seeks over the storage record instead of writing it.
-            from torch.serialization import skip_data
-
-            with skip_data():
-                save_without_zip_crc(sample, sink)
-        except (ImportError, RuntimeError, TypeError) as exc:
-            logger.debug("no fast item head for %s %s: %s", dtype, shape, exc)
-            return None
-        # The archive laid out in lazily zeroed memory: only its header and directory pages are
-        # touched, the storage record in between never is.
-        with mmap.mmap(-1, max(sink.size, 1)) as raw:
-            for pos, part in sink.parts:
-                raw[pos : pos + len(part)] = part
-            layout = _storage_layout(raw, nbytes)
-            if layout is None:
-                logger.debug("no fast item head for %s %s: unexpected archive layout", dtype, shape)
-                return None
-            start, end, _ = layout
-            return _Head(raw[:start], end, tuple(sorted(c for c in _crc_fields(raw) if c + 4 <= start)))
-
-    @staticmethod
-    def _fill(template: _Template, t: torch.Tensor) -> bytearray:
-        out = bytearray(template.raw)
-        data = _raw_bytes(t)
-        out[template.data_start : template.data_end] = data
-        crc = crc32(data)
-        for offset in template.crc_offsets:
-            struct.pack_into("<I", out, offset, crc)
-        return out
 
     # ---- encoding ---------------------------------------------------------------------------
     def write(self, t: torch.Tensor, stream: Any) -> None:
@@ -317,9 +318,9 @@ class ItemCodec:
         self.encoded += 1
         if _fast_eligible(t):
             plain = t.detach().contiguous()  # a view's values; its storage offset does not matter
-            template = self._template(plain.dtype, tuple(plain.shape))
+            template = _template_for(plain.dtype, tuple(plain.shape))
             if template is not None:
-                stream.write(self._fill(template, plain))
+                stream.write(_fill(template, plain))
                 self.fast_encoded += 1
                 return
         save_without_zip_crc(t, stream)
@@ -339,7 +340,7 @@ class ItemCodec:
         if not _plain_target(target) or target.numel() * target.element_size() <= MAX_FAST_BYTES:
             return False
         view = memoryview(data).cast("B")
-        head = self._head(target.dtype, tuple(target.shape))
+        head = _head_for(target.dtype, tuple(target.shape))
         if head is None or not head.matches(view):
             return False
         _raw_bytes(target)[:] = view[len(head.raw) : head.data_end]
@@ -358,12 +359,8 @@ class ItemCodec:
         view = memoryview(data).cast("B")
         nbytes = math.prod(shape) * dtype.itemsize
         if 0 < nbytes <= MAX_FAST_BYTES and not dtype.is_complex:
-            template = self._template(dtype, shape)
-            if (
-                template is not None
-                and len(view) == len(template.raw)
-                and view[: template.data_start] == template.raw[: template.data_start]
-            ):
+            template = _template_for(dtype, shape)
+            if template is not None and len(view) == template.size and view[: template.data_start] == template.head:
                 recorded = struct.unpack_from("<I", view, template.crc_offsets[0])[0]
                 if recorded == 0:  # written with torch's crc32 computation switched off: let torch read it
                     return None

@@ -23,16 +23,18 @@ checkpoint at the location stays loadable (new data files carry a per-save token
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import queue
+import threading
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -68,6 +70,7 @@ from uc_checkpoint.observability import TransferRecord
 from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 exit_guard.install()  # a save in flight when the script ends is finished first
 
@@ -100,6 +103,13 @@ class _SaveSession(Session):
     published_digest: str | None = None
     staging: Path | None = None
     ticket: exit_guard.SaveTicket | None = None
+    claim: concurrent.futures.Future[str] | None = None
+
+    def claimed(self) -> None:
+        """Wait until this save holds its location (:func:`publish.begin_save`, run in the
+        background from the planning step); raises what claiming it raised."""
+        if self.claim is not None:
+            self.published_digest = self.claim.result()
 
     def marker(self) -> SaveMarker:
         """This save's marker; its rank is set for a rank-local save (DCP without collectives)."""
@@ -110,6 +120,8 @@ class _SaveSession(Session):
 
     def end(self, error: BaseException | None = None) -> None:
         """This rank's part of the save is over: the interpreter's exit need not wait for it."""
+        if self.claim is not None:
+            concurrent.futures.wait([self.claim])  # nothing of this save runs on after it ends
         if self.ticket is not None:
             self.ticket.end(error)
 
@@ -297,7 +309,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             # be created (write_data creates it again), so a failed plan leaves no directory behind.
             remove_staging_dir(create_staging_dir(self._staging_path()))
             if self.is_coordinator or not self.use_collectives:
-                save.published_digest = publish.begin_save(
+                # Claiming the location is a listing and a PUT (tens of ms on an object store): it
+                # runs while DCP gathers the plans and, with one writer, while its first file is
+                # serialised. Nothing is uploaded before it succeeded (see ``claimed``).
+                save.claim = _in_background(
+                    publish.begin_save,
                     self.volume,
                     save.marker(),
                     save.save_id,
@@ -314,6 +330,10 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         return layout.spread_count(self.spread_prefixes, world_size, partitioned_store=self.volume.partitions_by_prefix)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) > 1:
+            # Other ranks upload as soon as they get their plans: the location must be ours first.
+            with self._save.ending_on_error():
+                self._save.claimed()
         token, spread = self._save.token, self._spread_count(len(plans))
         if spread > 1:
             logger.info("spreading the data files of %s over %d key prefixes", self.volume.url, spread)
@@ -337,11 +357,15 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         )
         save.staging = uploads.staging
         uploads.add_done_callback(save.forget_staging)
+
+        def upload(path: Path) -> None:
+            save.claimed()  # a single writer claims its location while its first file is written
+            uploads.submit(path)
+
         with uploads:  # on every way out the pool ends, the volume is closed and staging is removed
             jobs, copy_ahead = self._file_queue(plan, uploads.staging), self.per_thread_copy_ahead
-            results = write_files(
-                jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=uploads.submit
-            )
+            results = write_files(jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=upload)
+            save.claimed()  # also when the rank had nothing to upload
             records, record = uploads.finish()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(attach_records(results, records, volume.describe))
@@ -356,6 +380,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         self._save.end()
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self._save.claimed()
         volume, marker = self.volume, self._save.marker()
         storage_md, records = split_results(results)
         listing = checkpoint_files(volume)  # with the files in spread prefixes
@@ -376,6 +401,20 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             publish.remove_superseded(volume, (superseded - set(records)) | stale)
         finally:
             marker.remove(volume)
+
+
+def _in_background(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[_T]:
+    """Run ``fn`` on a new daemon thread; its result or exception comes back through the future."""
+    future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="uc-claim", daemon=True).start()
+    return future
 
 
 def _check_arguments(

@@ -26,9 +26,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,33 +57,121 @@ DEFAULT_MAX_CONCURRENCY = 8
 DEFAULT_MAX_ATTEMPTS = 8
 
 
+class RetryCounter:
+    """The retries behind one boto3 client's successful calls (botocore's ``after-call`` hook feeds
+    it), shared by every volume using that client. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+    def on_after_call(self, parsed: Any = None, **_: Any) -> None:
+        """botocore ``after-call`` hook: the retries behind each successful call."""
+        attempts = ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts") or 0
+        if attempts:
+            self.add(int(attempts))
+
+
+def _hook_up(client: Any) -> RetryCounter:
+    """Register our event handlers on a new client; returns its retry counter."""
+    counter = RetryCounter()
+    client.meta.events.register("after-call.s3", counter.on_after_call)
+    client.meta.events.register("before-call.s3.GetObject", _no_store_checksum_of_ranges)
+    return counter
+
+
+class ClientCache:
+    """The boto3 clients this process built for volumes, by everything they were built from: the
+    volume's client settings, every ``AWS_*`` environment variable (credentials, profile, endpoint,
+    checksum settings) and the process id (a forked child never uses its parent's connections).
+
+    A job that saves every few minutes builds a new writer, and so a new volume, for each save; a
+    new client costs ~13 ms of CPU here (a botocore session registers ~1,300 event handlers) and
+    opens new connections (a TLS handshake each on real S3). fsspec caches filesystem instances for
+    the same reason (``fsspec.spec._Cached``). boto3 clients are thread-safe, so volumes in any
+    thread share one. At most ``size`` clients are kept (least recently used goes first; volumes
+    holding it keep using it). Clients from a ``client`` or ``client_factory`` argument are never
+    cached.
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[Any, ...], tuple[Any, RetryCounter]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(settings: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The cache key of a client built from ``settings`` in this process, now."""
+        env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+        return (os.getpid(), settings, hashlib.sha256(repr(env).encode()).hexdigest())
+
+    def get(self, settings: tuple[Any, ...], build: Callable[[], Any]) -> tuple[Any, RetryCounter]:
+        """The client for ``settings`` and its retry counter, built by ``build`` if none is cached."""
+        key = self.key(settings)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry
+            # Built under the lock: two threads never build the same client twice.
+            client = build()
+            entry = (client, _hook_up(client))
+            self._entries[key] = entry
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+            return entry
+
+    def clear(self) -> None:
+        """Forget every cached client (volumes holding one keep it)."""
+        with self._lock:
+            self._entries.clear()
+
+
+#: This process's shared clients (see :class:`ClientCache`).
+CLIENTS = ClientCache()
+
+
 class _Shared:
     """What a volume shares with the volumes :meth:`S3Volume.child` makes from it: one boto3 client
-    (thread-safe, built on first use by whichever of them needs it first) and the count of the
-    retries its requests needed, which the client's event hook feeds. Everything else (settings,
+    (thread-safe, taken on first use by whichever of them needs it first, from :data:`CLIENTS`
+    unless given) and the count of the retries its requests needed. Everything else (settings,
     the transfer manager) belongs to each volume. Holds locks and a client, so it never crosses
     processes: an unpickled volume starts a new one.
+
+    The retry count is what this volume family added itself (bodies cut off and fetched again)
+    plus the client's retries since the family took the client: a client shared with volumes
+    working at the same time counts their retries too.
 
     Args:
         client: a ready boto3 S3 client (the volume then refuses to be pickled), or None.
     """
 
     def __init__(self, client: Any = None) -> None:
-        self.client = client
+        self.client: Any = None
         self.explicit_client = client is not None
-        self.client_lock = threading.Lock()  # one client is built, even when threads race for it
-        self.retries = 0
-        self.retries_lock = threading.Lock()
+        self.client_lock = threading.Lock()  # one client is taken, even when threads race for it
+        self._own = 0
+        self._own_lock = threading.Lock()
+        self._counter: RetryCounter | None = None
+        self._base = 0
+        if client is not None:
+            self.bind(client, _hook_up(client))
+
+    def bind(self, client: Any, counter: RetryCounter) -> None:
+        self.client, self._counter, self._base = client, counter, counter.count
+
+    @property
+    def retries(self) -> int:
+        client_retries = 0 if self._counter is None else self._counter.count - self._base
+        return self._own + client_retries
 
     def add_retries(self, n: int) -> None:
-        with self.retries_lock:
-            self.retries += n
-
-    def count_retries(self, parsed: Any = None, **_: Any) -> None:
-        """botocore ``after-call`` hook: the retries behind each successful call."""
-        attempts = ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts") or 0
-        if attempts:
-            self.add_retries(int(attempts))
+        with self._own_lock:
+            self._own += n
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -258,7 +348,7 @@ class S3Volume(Volume):
         retries = state.pop("_shared")
         self.__dict__.update(state)
         self._shared = _Shared()
-        self._shared.retries = retries
+        self._shared.add_retries(retries)
         self._lock = threading.Lock()
 
     def _send_checksums(self) -> bool:
@@ -280,15 +370,28 @@ class S3Volume(Volume):
         shared = self._shared
         with shared.client_lock:
             if shared.client is None:
-                shared.client = self._make_client()
-                # botocore reports the retries behind each successful call; count them for records.
-                shared.client.meta.events.register("after-call.s3", shared.count_retries)
-                shared.client.meta.events.register("before-call.s3.GetObject", _no_store_checksum_of_ranges)
+                if self.client_factory is not None:
+                    client = self.client_factory()
+                    shared.bind(client, _hook_up(client))
+                else:
+                    shared.bind(*CLIENTS.get(self._client_settings(), self._make_client))
             return shared.client
 
+    def _client_settings(self) -> tuple[Any, ...]:
+        """What this volume's client is built from (the :class:`ClientCache` key, with the environment)."""
+        return (
+            self.endpoint_url,
+            self.region_name,
+            self.addressing_style,
+            self.max_concurrency,
+            self.max_attempts,
+            self.connect_timeout,
+            self.read_timeout,
+            self.checksums,
+            self.sign_payload,
+        )
+
     def _make_client(self) -> Any:
-        if self.client_factory is not None:
-            return self.client_factory()
         import boto3
         import botocore.session
         from botocore.config import Config

@@ -1,0 +1,85 @@
+"""A save claims its location (a listing and a marker PUT: tens of ms on an object store) in the
+background while its first data file is serialised, and uploads nothing before the claim holds."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.conftest import cause
+from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.errors import LocationNotEmptyError
+from uc_checkpoint.format.integrity import FileRecord
+from uc_checkpoint.format.layout import parse_save_marker
+from uc_checkpoint.volumes import LocalVolume
+
+
+class SlowListingVolume(LocalVolume):
+    """A local volume whose listings take ``delay_s`` (an object store's round trip, exaggerated),
+    recording what happens to it, in order."""
+
+    def __init__(self, path: Path, events: list[str], delay_s: float) -> None:
+        super().__init__(path)
+        self.events, self.delay_s = events, delay_s
+
+    def list_files(self) -> dict[str, int]:
+        time.sleep(self.delay_s)
+        return super().list_files()
+
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
+        self.events.append("marker" if parse_save_marker(name) else name)
+        return super().publish_bytes(name, data, overwrite=overwrite)
+
+    def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
+        self.events.append("upload")
+        return super().upload_file(local_path, name, sync=sync)
+
+
+class Serialised:
+    """A state-dict value that records when the save serialises it."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def __getstate__(self) -> dict:
+        self.events.append("serialise")
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.events = []
+
+
+def test_the_claim_overlaps_serialising_and_precedes_every_upload(tmp_path: Path, staging: Path) -> None:
+    events: list[str] = []
+    sd = {"w": torch.arange(1 << 16, dtype=torch.float32), "x": Serialised(events)}
+    volume = SlowListingVolume(tmp_path / "ckpt", events, delay_s=0.3)
+    started = time.perf_counter()
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    assert time.perf_counter() - started >= 0.3
+    first_upload = events.index("upload")
+    # Serialising began while the location was being listed (before the marker), and nothing
+    # reached the volume before the marker did.
+    assert events.index("serialise") < events.index("marker") < first_upload, events
+    assert events[-1] == ".metadata"
+    out = {"w": torch.zeros(1 << 16), "x": None}
+    dcp.load(out, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
+    assert torch.equal(out["w"], sd["w"])
+
+
+def test_a_refused_claim_uploads_nothing(tmp_path: Path, staging: Path) -> None:
+    dest = tmp_path / "ckpt"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("not a checkpoint")
+    events: list[str] = []
+    volume = SlowListingVolume(dest, events, delay_s=0.2)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save({"w": torch.ones(1 << 16)}, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10))
+    assert isinstance(cause(ei), LocationNotEmptyError) and "notes.txt" in str(cause(ei))
+    assert "upload" not in events and "marker" not in events, events
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    assert list(staging.rglob("*.distcp")) == []  # the serialised files were removed with staging
