@@ -419,3 +419,62 @@ def test_range_buffers_are_received_into_again_within_their_limit() -> None:
     pool.give(y)
     assert held() <= pool.limit
     assert pool.take(90).obj is a.obj
+
+
+def _in_place_spans(size: int) -> list[tuple[int, int]]:
+    """Spans of a ``size``-byte range received elsewhere: inside a block, across block and piece
+    boundaries, one touching the range's end."""
+    return [(100, 900), (BLOCK - 10, 2 * BLOCK + 10), (3 * BLOCK + 1, 4 * BLOCK + 5), (size - 7, size)]
+
+
+@pytest.mark.parametrize("chunk", [BLOCK // 2, BLOCK, 3 * BLOCK // 2, 8 * BLOCK])
+def test_spans_received_in_place_arrive_there_verified(volume: Volume, chunk: int) -> None:
+    """Bytes of spans given to ``in_place`` land in their own memory (a tensor's, in a load),
+    never in the range's buffer, whatever the pieces; every byte is verified all the same."""
+    data = _content(5 * BLOCK + 123, 4)
+    record = _put(volume, "data.distcp", data)
+    spans = _in_place_spans(len(data))
+    into = {span: memoryview(bytearray(span[1] - span[0])) for span in spans}
+    seen: list[bytes] = []
+
+    def consume(req: RangeRequest[str], view: memoryview) -> None:
+        buffered = bytearray(view)
+        for lo, hi in spans:
+            assert not any(buffered[lo:hi]), f"bytes {lo}-{hi} reached the buffer"
+            buffered[lo:hi] = into[(lo, hi)]
+        seen.append(bytes(buffered))
+
+    fetch_ranges(
+        volume,
+        [RangeRequest("data.distcp", 0, len(data), ["item"])],
+        consume,
+        records={"data.distcp": record},
+        chunk_bytes=chunk,
+        max_inflight_bytes=1 << 30,
+        workers=3,
+        in_place=lambda req: [(lo, hi, into[(lo, hi)]) for lo, hi in spans],
+    )
+    assert seen == [data]
+
+
+@pytest.mark.parametrize("where", [150, BLOCK + 3, 4 * BLOCK + 2])
+def test_a_damaged_byte_received_in_place_is_caught(volume: Volume, where: int) -> None:
+    good = _content(5 * BLOCK + 123, 5)
+    record = _put(volume, "data.distcp", good)
+    bad = bytearray(good)
+    bad[where] ^= 0x10
+    volume.publish_bytes("data.distcp", bytes(bad))
+    spans = _in_place_spans(len(good))
+    consumed: list[str] = []
+    with pytest.raises(CorruptCheckpointError, match=rf"\(block {where // BLOCK}\)"):
+        fetch_ranges(
+            volume,
+            [RangeRequest("data.distcp", 0, len(good), ["item"])],
+            lambda req, view: consumed.append(req.name),
+            records={"data.distcp": record},
+            chunk_bytes=BLOCK,
+            max_inflight_bytes=1 << 30,
+            workers=2,
+            in_place=lambda req: [(lo, hi, memoryview(bytearray(hi - lo))) for lo, hi in spans],
+        )
+    assert consumed == []

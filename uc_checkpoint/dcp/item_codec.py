@@ -347,6 +347,31 @@ class ItemCodec:
         self.fast_decoded += 1
         return True
 
+    def tensor_span(self, target: torch.Tensor) -> tuple[int, int, memoryview] | None:
+        """Where the tensor's bytes lie in the item archive of a tensor of ``target``'s dtype and
+        shape, as :meth:`decode_into` reads it: ``(start, end, into)`` with ``[start, end)`` byte
+        offsets in the archive and ``into`` the bytes of ``target`` (a writable view of its memory),
+        so that a reader can receive those bytes straight into the tensor. None where
+        :meth:`decode_into` would not apply (same conditions). Check the archive's other bytes
+        with :meth:`received_into` once they have arrived."""
+        if not _plain_target(target) or target.numel() * target.element_size() <= MAX_FAST_BYTES:
+            return None
+        head = _head_for(target.dtype, tuple(target.shape))
+        if head is None:
+            return None
+        return len(head.raw), head.data_end, _raw_bytes(target)
+
+    def received_into(self, data: memoryview | bytes, target: torch.Tensor) -> bool:
+        """Whether ``data``, an item archive whose tensor bytes (:meth:`tensor_span`) were received
+        straight into ``target``, is the archive of such a tensor: its bytes before them match, as
+        :meth:`decode_into` requires (the bytes at the tensor's span in ``data`` are not looked at).
+        True: ``target`` holds the item. False: it does not (reassemble the archive and decode)."""
+        head = _head_for(target.dtype, tuple(target.shape))
+        if head is None or not head.matches(memoryview(data).cast("B")):
+            return False
+        self.fast_decoded += 1
+        return True
+
     def decode(self, data: memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The tensor in one item archive ``data`` that should hold a ``dtype`` tensor of ``shape``
         (the chunk's saved shape), as a new tensor that does not share ``data``'s memory; None when

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import zipfile
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -72,6 +73,10 @@ class ItemLoader:
         self.transforms = transforms
         self.check_archive_crc = check_archive_crc
         self.codec = codec if codec is not None else ItemCodec()
+        # Items whose tensor bytes a ranged read receives straight into their target (see place),
+        # and the targets place resolved for the others (each item's target is resolved once).
+        self._placed: dict[int, _Placed] = {}
+        self._resolved: dict[int, torch.Tensor] = {}
 
     def by_file(self, items: Iterable[ReadItem]) -> dict[str, list[ReadItem]]:
         """``items`` grouped by their data file's name, files in order of first use."""
@@ -88,6 +93,36 @@ class ItemLoader:
             info = self.storage_data[item.storage_index]
             out.append((info.relative_path, info.offset, info.length, item))
         return out
+
+    def place(self, items: Iterable[ReadItem]) -> None:
+        """Choose the items whose tensor bytes are received straight into their target tensors
+        (skipping a buffer and a copy of every byte): whole saved chunks of plain CPU tensors above
+        the codec's small-tensor size, stored without transforms, where the manifest's block
+        checksums cover the bytes. Their targets are resolved here, once."""
+        if self.check_archive_crc:
+            return
+        for req in items:
+            info = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                continue
+            saved = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+            if saved is None or not _whole_chunk(req, saved[1]):
+                continue
+            target = self.planner.resolve_tensor(req).detach()
+            span = self.codec.tensor_span(target)
+            if target.dtype != saved[0] or tuple(target.shape) != saved[1] or span is None or span[1] > info.length:
+                self._resolved[id(req)] = target
+                continue
+            start, end, into = span
+            self._placed[id(req)] = _Placed(info.offset + start, info.offset + end, into, target)
+
+    def received_in_place(self, items: Iterable[ReadItem]) -> list[tuple[int, int, memoryview]]:
+        """``(lo, hi, into)`` for each of ``items`` chosen by :meth:`place`: file bytes ``[lo, hi)``
+        go into ``into`` instead of the range's buffer. Sorted by ``lo``."""
+        return sorted(
+            ((p.lo, p.hi, p.into) for item in items if (p := self._placed.get(id(item))) is not None),
+            key=lambda s: s[0],
+        )
 
     def load_file(self, items: Iterable[ReadItem], path: Path) -> None:
         """Load ``items`` from the local copy ``path`` of their data file."""
@@ -112,6 +147,16 @@ class ItemLoader:
                 another shape than the plan expects; the message names the file and the item.
         """
         info = self.storage_data[req.storage_index]
+        placed = self._placed.pop(id(req), None)
+        if placed is not None:
+            if self.codec.received_into(data, placed.target):
+                self.planner.commit_tensor(req, placed.target)
+                return
+            # Not the archive layout expected: put its tensor bytes back in place and decode it whole.
+            whole = bytearray(data)
+            whole[placed.lo - info.offset : placed.hi - info.offset] = placed.into
+            data = memoryview(whole)
+            self._resolved[id(req)] = placed.target
         if info.transform_descriptors:  # written with DCP extensions (e.g. compression)
             stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
             data = memoryview(stream.read(-1))
@@ -125,9 +170,11 @@ class ItemLoader:
                 raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
             return
         saved = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        resolved = self._resolved.pop(id(req), None)
         if saved is not None and not self.check_archive_crc and _whole_chunk(req, saved[1]):
             # The manifest's block checksums covered these bytes: copy them straight into place.
-            target = self.planner.resolve_tensor(req).detach()
+            target = resolved if resolved is not None else self.planner.resolve_tensor(req).detach()
+            resolved = target
             if target.dtype == saved[0] and tuple(target.shape) == saved[1] and self.codec.decode_into(data, target):
                 self.planner.commit_tensor(req, target)
                 return
@@ -145,7 +192,7 @@ class ItemLoader:
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         except Exception as exc:  # not a tensor archive, or not the chunk the metadata describes
             raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
-        target = self.planner.resolve_tensor(req).detach()
+        target = resolved if resolved is not None else self.planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CorruptCheckpointError(
                 f"{self.volume.url_of(info.relative_path)}: item {req.storage_index.fqn} gives a tensor of shape "
@@ -153,6 +200,17 @@ class ItemLoader:
             )
         target.copy_(tensor)
         self.planner.commit_tensor(req, target)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """An item whose tensor bytes (file offsets ``[lo, hi)``) are received into ``into``, the
+    memory of ``target``."""
+
+    lo: int
+    hi: int
+    into: memoryview
+    target: torch.Tensor
 
 
 def _whole_chunk(req: ReadItem, shape: tuple[int, ...]) -> bool:

@@ -259,10 +259,13 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
                 gap_bytes=self.range_gap_bytes,
                 max_range_bytes=max(DEFAULT_MAX_RANGE_BYTES, self.range_chunk_bytes),
             )
+            if records:
+                items.place(plan.items)  # large tensors' bytes go straight into their targets
             stats = fetch_ranges(
                 volume,
                 requests,
                 lambda req, data: items.load_range(req.items, req.start, data),
+                in_place=lambda req: items.received_in_place(req.items),
                 records=records,
                 chunk_bytes=self.range_chunk_bytes,
                 max_inflight_bytes=self.max_inflight_bytes,

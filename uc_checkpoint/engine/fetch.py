@@ -195,6 +195,10 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         chunk_bytes: largest single read.
         record: the file's record, whose block CRC-32s verify the range (None: not verified; the
             range must then be block-aligned, see :func:`~uc_checkpoint.engine.ranges.plan_ranges`).
+        in_place: ``(lo, hi, into)`` spans of the range, sorted and apart, whose bytes are received
+            into ``into`` (``hi - lo`` writable bytes, e.g. a tensor's memory) instead of the
+            buffer; they are verified there like the rest. The buffer's bytes at those spans are
+            left as they were.
     """
 
     def __init__(
@@ -206,12 +210,14 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         *,
         chunk_bytes: int,
         record: FileRecord | None,
+        in_place: Sequence[tuple[int, int, memoryview]] = (),
     ) -> None:
         super().__init__(pool, f"reading {volume.url_of(request.name)} failed", ready)
         self.volume = volume
         self.request = request
         self.chunk_bytes = chunk_bytes
         self.record = record
+        self.in_place = list(in_place)
         self._buf = memoryview(bytearray(0))
 
     @property
@@ -225,9 +231,33 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         self._buf = buffer if buffer is not None else _new_buffer(self.request.nbytes)
         self._start([(self._read_piece, piece) for piece in self.pieces])
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of the range that go into its buffer (not received in place)."""
+        return self.request.nbytes - sum(hi - lo for lo, hi, _ in self.in_place)
+
+    def _views(self, lo: int, hi: int) -> list[memoryview]:
+        """Where file bytes ``[lo, hi)`` are received, in order: the buffer, and the spans received
+        in place."""
+        start, out, pos = self.request.start, [], lo
+        for a, b, into in self.in_place:
+            if b <= pos:
+                continue
+            if a >= hi:
+                break
+            if pos < a:
+                out.append(self._buf[pos - start : a - start])
+                pos = a
+            end = min(b, hi)
+            out.append(into[pos - a : end - a])
+            pos = end
+        if pos < hi:
+            out.append(self._buf[pos - start : hi - start])
+        return out
+
     def _read_piece(self, lo: int, hi: int) -> None:
-        start = self.request.start
-        self.volume.read_range_into(self.request.name, lo, self._buf[lo - start : hi - start])
+        views = self._views(lo, hi)
+        self.volume.read_range_into(self.request.name, lo, views[0] if len(views) == 1 else views)
         # The blocks this piece holds whole are checked here, on the worker that received them:
         # the bytes are still in cache, and the checks of a load's pieces run side by side instead
         # of one after another on the consumer's thread.
@@ -237,8 +267,7 @@ class RangeFetch(_Pipeline[None], Generic[T]):
 
     def _verify(self, lo: int, hi: int) -> None:
         assert self.record is not None
-        start = self.request.start
-        verify_blocks(self._buf[lo - start : hi - start], lo, self.record, self.volume.url_of(self.request.name))
+        verify_blocks(self._views(lo, hi), lo, self.record, self.volume.url_of(self.request.name))
 
     def _whole_blocks(self, lo: int, hi: int) -> tuple[int, int] | None:
         """The span of the checksum blocks that piece ``[lo, hi)`` holds whole (None: none, or the
@@ -255,7 +284,8 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         return (a, b) if a < b else None
 
     def result(self) -> memoryview:
-        """The range's bytes, verified against the record's block checksums.
+        """The range's buffer (its bytes but those received in place), every byte verified against
+        the record's block checksums.
 
         Raises:
             CorruptCheckpointError: a block fails its checksum (the message names the file and the
@@ -407,6 +437,7 @@ def fetch_ranges(
     max_inflight_bytes: int,
     workers: int,
     thread_name: str = "uc-range",
+    in_place: Callable[[RangeRequest[T]], Sequence[tuple[int, int, memoryview]]] | None = None,
 ) -> FetchStats:
     """Fetch each request's bytes in parallel pieces, with at most ``max_inflight_bytes`` fetched
     ahead of the consumer (a :class:`~uc_checkpoint.engine.ranges.ByteBudget`; one larger request is
@@ -416,6 +447,9 @@ def fetch_ranges(
     Args:
         records: the record per file whose block CRC-32s verify its ranges (pass none to skip the
             check).
+        in_place: the spans of a request received straight into other memory (see
+            :class:`RangeFetch`); ``consume`` finds the buffer's bytes there as they were. Only the
+            buffered bytes count against ``max_inflight_bytes``.
 
     Raises:
         CorruptCheckpointError: a file is missing or short, or a block fails its checksum.
@@ -438,17 +472,25 @@ def fetch_ranges(
         consume(done.request, data)
         buffers.give(data)  # ``data`` is valid only during consume: its memory can be received into again
         nbytes += done.request.nbytes
-        budget.give(done.request.nbytes)
+        budget.give(done.buffered_bytes)
 
     try:
         for request in requests:
-            fetch = RangeFetch(pool, ready, volume, request, chunk_bytes=chunk_bytes, record=records.get(request.name))
+            fetch = RangeFetch(
+                pool,
+                ready,
+                volume,
+                request,
+                chunk_bytes=chunk_bytes,
+                record=records.get(request.name),
+                in_place=in_place(request) if in_place is not None else (),
+            )
             # Consume finished ranges rather than wait for a free worker: waiting in the pool's
             # submit left every finished range unconsumed (and its memory not reused) until the
             # last request was queued.
             while outstanding and queued_pieces + len(fetch.pieces) > pool.capacity:
                 consume_one()
-            while not budget.try_take(request.nbytes):
+            while not budget.try_take(fetch.buffered_bytes):
                 consume_one()
             fetch.start(buffers.take(request.nbytes))
             outstanding += 1

@@ -27,7 +27,7 @@ import base64
 import functools
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -269,8 +269,9 @@ def block_span(start: int, end: int, size: int, block_size: int) -> tuple[int, i
     return first, last
 
 
-def verify_blocks(data: memoryview | bytes, start: int, record: FileRecord, where: str) -> None:
-    """Check the block-aligned bytes ``data`` read at offset ``start`` of ``record``'s file.
+def verify_blocks(data: memoryview | bytes | Sequence[memoryview], start: int, record: FileRecord, where: str) -> None:
+    """Check the block-aligned bytes ``data`` read at offset ``start`` of ``record``'s file:
+    one buffer, or several holding consecutive bytes (a range received partly into its tensors).
 
     Raises:
         CorruptCheckpointError: a block fails its checksum (the message names ``where`` and the
@@ -281,13 +282,23 @@ def verify_blocks(data: memoryview | bytes, start: int, record: FileRecord, wher
         return
     if start % bs:
         raise ValueError(f"range start {start} is not aligned to {bs}-byte blocks")
-    view = memoryview(data).cast("B")
+    parts = [data] if isinstance(data, (bytes, memoryview)) else list(data)
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    total = sum(map(len, views))
     expected = struct.unpack(f">{len(record.block_crc32) // 4}I", record.block_crc32)
-    for pos in range(0, len(view), bs):
+    at, offset = 0, 0  # the view the next byte is in, and where in it
+    for pos in range(0, total, bs):
+        n = min(bs, total - pos)
+        crc, left = 0, n
+        while left:
+            view = views[at]
+            take = min(left, len(view) - offset)
+            crc = crc32(view[offset : offset + take], crc)
+            left -= take
+            offset += take
+            if offset == len(view):
+                at, offset = at + 1, 0
         index = (start + pos) // bs
-        chunk = view[pos : pos + bs]
-        if index >= len(expected) or crc32(chunk) != expected[index]:
+        if index >= len(expected) or crc != expected[index]:
             lo = start + pos
-            raise CorruptCheckpointError(
-                f"{where} fails its checksum in bytes {lo}-{lo + len(chunk) - 1} (block {index})"
-            )
+            raise CorruptCheckpointError(f"{where} fails its checksum in bytes {lo}-{lo + n - 1} (block {index})")

@@ -316,16 +316,23 @@ class Volume(ABC):
             TransferError: the read failed for another reason.
         """
 
-    def read_range_into(self, name: str, start: int, out: memoryview) -> None:
-        """Bytes ``[start, start + len(out))`` of ``name``, written into ``out`` (a writable,
-        byte-formatted buffer). Stores that can receive straight into the caller's memory override
+    def read_range_into(self, name: str, start: int, out: memoryview | Sequence[memoryview]) -> None:
+        """Bytes ``[start, start + len(out))`` of ``name``, written into ``out``: a writable,
+        byte-formatted buffer, or several filled one after the other (one read scattered over them:
+        a load receives a large tensor's bytes straight into the tensor, the archive records around
+        it into a buffer). Stores that can receive straight into the caller's memory override
         this; the default copies what :meth:`read_range` returns.
 
         Raises:
             CorruptCheckpointError: ``name`` does not exist or is shorter than the range.
             TransferError: the read failed for another reason.
         """
-        out[:] = self.read_range(name, start, start + len(out))
+        views = [out] if isinstance(out, memoryview) else list(out)
+        data = memoryview(self.read_range(name, start, start + sum(map(len, views))))
+        pos = 0
+        for view in views:
+            view[:] = data[pos : pos + len(view)]
+            pos += len(view)
 
     @abstractmethod
     def read_bytes(self, name: str) -> bytes | None:

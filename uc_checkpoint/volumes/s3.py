@@ -31,7 +31,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -627,14 +627,16 @@ class S3Volume(Volume):
             raise self._truncated(name, start, end, len(data))
         return data
 
-    def read_range_into(self, name: str, start: int, out: memoryview) -> None:
+    def read_range_into(self, name: str, start: int, out: memoryview | Sequence[memoryview]) -> None:
         """As :meth:`Volume.read_range_into`, the response body received straight into ``out``
         (where botocore's ``read`` would build a bytes object of it first: one pass over every
         byte, and fresh memory that the kernel must map and zero)."""
-        if len(out):
-            end = start + len(out)
-            got = self._get_range(name, start, end, lambda body: _read_body_into(body, out))
-            if got != len(out):
+        views = [out] if isinstance(out, memoryview) else list(out)
+        nbytes = sum(map(len, views))
+        if nbytes:
+            end = start + nbytes
+            got = self._get_range(name, start, end, lambda body: _read_body_into(body, views))
+            if got != nbytes:
                 raise self._truncated(name, start, end, got)
 
     def _get_range(self, name: str, start: int, end: int, receive: Callable[[Any], _R]) -> _R:
@@ -782,11 +784,11 @@ def _at_location(name: str) -> bool:
     return "/" not in name or is_checkpoint_file(name)
 
 
-def _read_body_into(body: Any, out: memoryview) -> int:
-    """Receive the response ``body`` into ``out``; returns the body's length in bytes (compare it
-    with ``len(out)``: more or fewer bytes than asked for).
+def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
+    """Receive the response ``body`` into ``outs``, filled one after the other; returns the body's
+    length in bytes (compare it with the views' total: more or fewer bytes than asked for).
 
-    The bytes go from the socket into ``out`` through the standard library's
+    The bytes go from the socket into ``outs`` through the standard library's
     ``http.client.HTTPResponse.readinto`` under urllib3's response (botocore's ``StreamingBody``
     and urllib3's ``readinto`` both read into a new bytes object and copy it). Only a plain
     response is read that way: any wrapper (botocore's checksum-validating body), a content
@@ -795,6 +797,7 @@ def _read_body_into(body: Any, out: memoryview) -> int:
     """
     from botocore.response import StreamingBody
 
+    wanted = sum(map(len, outs))
     raw = getattr(body, "_raw_stream", None)  # urllib3.response.HTTPResponse
     fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse
     plain = (
@@ -804,21 +807,29 @@ def _read_body_into(body: Any, out: memoryview) -> int:
         and not raw.headers.get("content-encoding")  # type: ignore[union-attr]
     )
     if not plain:
-        data = body.read()
-        n = min(len(data), len(out))
-        out[:n] = memoryview(data)[:n]
+        data = memoryview(body.read())
+        pos = 0
+        for out in outs:
+            n = max(0, min(len(out), len(data) - pos))
+            out[:n] = data[pos : pos + n]
+            pos += n
         return len(data)
     from http.client import IncompleteRead
 
     announced = getattr(body, "_content_length", None)
     got = 0
     try:
-        while got < len(out):
-            n = fp.readinto(out[got:])  # type: ignore[union-attr]
-            if not n:
+        for out in outs:
+            filled = 0
+            while filled < len(out):
+                n = fp.readinto(out[filled:])  # type: ignore[union-attr]
+                if not n:
+                    break
+                filled += n
+            got += filled
+            if filled < len(out):
                 break
-            got += n
-        if announced is not None and got < min(int(announced), len(out)):
+        if announced is not None and got < min(int(announced), wanted):
             # The connection ended before the body the store announced: cut off, not a short file.
             raise IncompleteRead(b"", int(announced) - got)
         # Reading on through urllib3 sees the end of the body (and returns the connection to its
