@@ -57,6 +57,18 @@ _COMPILED = [(name, re.compile(pattern)) for name, pattern in CATEGORIES]
 IDLE = re.compile(
     r"(?:acquire_lock|cond_timedwait|cond_wait|sem_wait|sem_timedwait|epoll_wait|select|poll|clock_nanosleep)"
 )
+#: Python frames that only wait (a lock, a condition, a queue, a future): a sample whose innermost
+#: Python frame is one of them, with nothing below it or only a libc frame py-spy could not name
+#: (a futex wait), is not CPU either.
+WAITING = re.compile(r"\((?:threading|queue|concurrent/futures/_base)\.py:\d+\)$")
+_UNNAMED_LIBC = re.compile(r"^0x[0-9a-f]+ \(libc\.so")
+
+
+def _idle(frames: list[str]) -> bool:
+    if IDLE.search(";".join(frames[-3:])):
+        return True
+    inner = frames[:-1] if frames and _UNNAMED_LIBC.search(frames[-1]) else frames
+    return bool(inner) and WAITING.search(inner[-1]) is not None
 
 
 def breakdown(raw: str) -> tuple[collections.Counter[str], int]:
@@ -68,8 +80,7 @@ def breakdown(raw: str) -> tuple[collections.Counter[str], int]:
         stack, _, n = line.rstrip().rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        leaf = ";".join(stack.split(";")[-3:])
-        if IDLE.search(leaf):
+        if _idle(stack.split(";")):
             continue
         total += int(n)
         counts[_category(stack.split(";"))] += int(n)

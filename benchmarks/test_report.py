@@ -297,3 +297,25 @@ def test_the_readme_block_is_replaced_and_only_between_its_markers(tmp_path: Pat
     plain = tmp_path / "OTHER.md"
     plain.write_text("no markers\n")
     assert not update_readme(raw, plain) and plain.read_text() == "no markers\n"
+
+
+def test_the_profile_counts_running_samples_only() -> None:
+    """py-spy samples of a thread waiting on a lock, a condition, a queue or a future (a futex
+    wait that py-spy cannot name included) are not CPU; everything else is charged to a category."""
+    from benchmarks.profile import breakdown
+
+    raw = "\n".join(
+        [
+            "run (threading.py:1002);_worker (uc_checkpoint/engine/transfer.py:80);"
+            "sha256 (hashlib.py:1);SHA256_Update (libcrypto.so.3) 7",
+            "main (x.py:1);results (uc_checkpoint/engine/transfer.py:149);wait (threading.py:629);"
+            "0x7f4c724a3f16 (libc.so.6) 5",
+            "main (x.py:1);finish (uc_checkpoint/engine/upload.py:115);Condition.__enter__ (threading.py:272) 4",
+            "main (x.py:1);get (queue.py:171);pthread_cond_timedwait (libc.so.6) 3",
+            "main (x.py:1);write_files (uc_checkpoint/dcp/serialize.py:180);0x7f4c724a3f16 (libc.so.6) 2",
+        ]
+    )
+    counts, total = breakdown(raw)
+    assert total == 9
+    assert counts["SigV4 SHA-256 of bodies (plain HTTP)"] == 7
+    assert counts["our pipeline (upload/fetch scheduling, publish)"] == 2  # a libc frame under our own code runs
