@@ -259,8 +259,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
                 gap_bytes=self.range_gap_bytes,
                 max_range_bytes=max(DEFAULT_MAX_RANGE_BYTES, self.range_chunk_bytes),
             )
-            if records:
-                items.place(plan.items)  # large tensors' bytes go straight into their targets
+            items.place(plan.items)  # large tensors' bytes go straight into their targets
             stats = fetch_ranges(
                 volume,
                 requests,
