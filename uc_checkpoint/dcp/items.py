@@ -97,24 +97,38 @@ class ItemLoader:
     def place(self, items: Iterable[ReadItem]) -> None:
         """Choose the items whose tensor bytes are received straight into their target tensors
         (skipping a buffer and a copy of every byte): whole saved chunks of plain CPU tensors above
-        the codec's small-tensor size, stored without transforms, where the manifest's block
-        checksums cover the bytes. Their targets are resolved here, once."""
+        the codec's small-tensor size, stored without transforms, whose memory no other item's
+        target shares (reads run in parallel and each block is verified where it landed: a shared
+        target, e.g. two views of one buffer, would be written by another read meanwhile). Every
+        tensor item's target is resolved here, once."""
         if self.check_archive_crc:
             return
+        chosen: list[tuple[ReadItem, _Placed]] = []
+        spans: list[tuple[int, int, int]] = []  # memory of every CPU target: (start, end, item id)
         for req in items:
             info = self.storage_data[req.storage_index]
-            if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            if req.type == LoadItemType.BYTE_IO:
+                continue
+            target = self.planner.resolve_tensor(req).detach()
+            self._resolved[id(req)] = target
+            memory = _memory_span(target)
+            if memory is not None:
+                spans.append((*memory, id(req)))
+            if info.transform_descriptors:
                 continue
             saved = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
             if saved is None or not _whole_chunk(req, saved[1]):
                 continue
-            target = self.planner.resolve_tensor(req).detach()
             span = self.codec.tensor_span(target)
             if target.dtype != saved[0] or tuple(target.shape) != saved[1] or span is None or span[1] > info.length:
-                self._resolved[id(req)] = target
                 continue
             start, end, into = span
-            self._placed[id(req)] = _Placed(info.offset + start, info.offset + end, into, target)
+            chosen.append((req, _Placed(info.offset + start, info.offset + end, into, target)))
+        shared = _overlapping(spans)
+        for req, placed in chosen:
+            if id(req) not in shared:
+                del self._resolved[id(req)]
+                self._placed[id(req)] = placed
 
     def received_in_place(self, items: Iterable[ReadItem]) -> list[tuple[int, int, memoryview]]:
         """``(lo, hi, into)`` for each of ``items`` chosen by :meth:`place`: file bytes ``[lo, hi)``
@@ -211,6 +225,29 @@ class _Placed:
     hi: int
     into: memoryview
     target: torch.Tensor
+
+
+def _memory_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[start, end)`` addresses of the memory a CPU tensor's elements lie in (None: not on the
+    CPU, or no elements)."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return None
+    low = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
+    high = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    base = t.data_ptr()
+    return base + low * t.element_size(), base + (high + 1) * t.element_size()
+
+
+def _overlapping(spans: list[tuple[int, int, int]]) -> set[int]:
+    """The ids of the spans ``(start, end, id)`` that share memory with another one."""
+    out: set[int] = set()
+    reach, holder = -1, -1  # the furthest end so far, and whose
+    for start, end, key in sorted(spans):
+        if start < reach:
+            out.update((key, holder))
+        if end > reach:
+            reach, holder = end, key
+    return out
 
 
 def _whole_chunk(req: ReadItem, shape: tuple[int, ...]) -> bool:

@@ -30,6 +30,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,19 +96,45 @@ class ClientCache:
     the same reason (``fsspec.spec._Cached``). boto3 clients are thread-safe, so volumes in any
     thread share one. At most ``size`` clients are kept (least recently used goes first; volumes
     holding it keep using it). Clients from a ``client`` or ``client_factory`` argument are never
-    cached.
+    cached. An event handler registered on a shared client (``volume.client.meta.events``) reaches
+    every volume sharing it: pass ``client_factory=`` for a client of one's own.
     """
 
     def __init__(self, size: int = 16) -> None:
         self.size = size
         self._entries: OrderedDict[tuple[Any, ...], tuple[Any, RetryCounter]] = OrderedDict()
         self._lock = threading.Lock()
+        # A child forked while another thread held the lock (building a client) would wait on it
+        # forever: the child starts with a lock of its own and none of its parent's clients.
+        ref = weakref.ref(self)
+
+        def in_child() -> None:
+            cache = ref()
+            if cache is not None:
+                cache._forget_parent()
+
+        os.register_at_fork(after_in_child=in_child)
+
+    def _forget_parent(self) -> None:
+        self._lock = threading.Lock()
+        self._entries = OrderedDict()
 
     @staticmethod
     def key(settings: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The cache key of a client built from ``settings`` in this process, now."""
-        env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-        return (os.getpid(), settings, hashlib.sha256(repr(env).encode()).hexdigest())
+        """The cache key of a client built from ``settings`` in this process, now: with every
+        ``AWS_*`` environment variable and the size and modification time of the shared credentials
+        and config files (``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``, by default under
+        ``~/.aws``), so that credentials rotated in either give a new client."""
+        env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+        files = []
+        for var, default in (("AWS_SHARED_CREDENTIALS_FILE", "credentials"), ("AWS_CONFIG_FILE", "config")):
+            path = os.path.expanduser(os.environ.get(var) or os.path.join("~", ".aws", default))
+            try:
+                st = os.stat(path)
+                files.append((path, st.st_size, st.st_mtime_ns))
+            except OSError:
+                files.append((path, -1, -1))
+        return (os.getpid(), settings, hashlib.sha256(repr((env, files)).encode()).hexdigest())
 
     def get(self, settings: tuple[Any, ...], build: Callable[[], Any]) -> tuple[Any, RetryCounter]:
         """The client for ``settings`` and its retry counter, built by ``build`` if none is cached."""
@@ -151,6 +178,7 @@ class _Shared:
     """
 
     def __init__(self, client: Any = None) -> None:
+        self.pid = os.getpid()
         self.client: Any = None
         self.explicit_client = client is not None
         self.client_lock = threading.Lock()  # one client is taken, even when threads race for it
@@ -368,6 +396,11 @@ class S3Volume(Volume):
     def client(self) -> Any:
         """The boto3 S3 client (built on first use, shared with :meth:`child` volumes)."""
         shared = self._shared
+        if shared.pid != os.getpid() and not shared.explicit_client:
+            # Inherited through fork: the parent's client (its connections) and locks stay there.
+            fresh = _Shared()
+            fresh.add_retries(shared.retries)
+            shared = self._shared = fresh
         with shared.client_lock:
             if shared.client is None:
                 if self.client_factory is not None:
