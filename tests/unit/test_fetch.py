@@ -180,13 +180,21 @@ def test_a_damaged_block_is_caught_whatever_the_pieces(volume: Volume, chunk: in
     # Blocks a piece holds whole are checked by its worker, blocks cut by a piece boundary (pieces
     # smaller than a block, or off the block grid) after the range is complete; the file's last
     # block (5) is short.
-    good = _content(5 * BLOCK + 123, 3)
+    _fetch_a_damaged_file(volume, _content(5 * BLOCK + 123, 3), block * BLOCK + 100, chunk)
+
+
+def _fetch_a_damaged_file(
+    volume: Volume, good: bytes, where: int, chunk: int, in_place: list[tuple[int, int]] | None = None
+) -> None:
+    """Store ``good`` with the byte at ``where`` flipped and fetch it as one range in pieces of
+    ``chunk`` (spans ``in_place`` received into memory of their own): the block holding ``where``
+    must be named, and nothing consumed."""
     record = _put(volume, "data.distcp", good)
     bad = bytearray(good)
-    bad[block * BLOCK + 100] ^= 0x01
+    bad[where] ^= 0x10
     volume.publish_bytes("data.distcp", bytes(bad))
     consumed: list[str] = []
-    with pytest.raises(CorruptCheckpointError, match=rf"\(block {block}\)"):
+    with pytest.raises(CorruptCheckpointError, match=rf"\(block {where // BLOCK}\)"):
         fetch_ranges(
             volume,
             [RangeRequest("data.distcp", 0, len(good), ["item"])],
@@ -195,6 +203,7 @@ def test_a_damaged_block_is_caught_whatever_the_pieces(volume: Volume, chunk: in
             chunk_bytes=chunk,
             max_inflight_bytes=1 << 30,
             workers=2,
+            in_place=lambda req: [(lo, hi, memoryview(bytearray(hi - lo))) for lo, hi in in_place or []],
         )
     assert consumed == []
 
@@ -460,21 +469,4 @@ def test_spans_received_in_place_arrive_there_verified(volume: Volume, chunk: in
 @pytest.mark.parametrize("where", [150, BLOCK + 3, 4 * BLOCK + 2])
 def test_a_damaged_byte_received_in_place_is_caught(volume: Volume, where: int) -> None:
     good = _content(5 * BLOCK + 123, 5)
-    record = _put(volume, "data.distcp", good)
-    bad = bytearray(good)
-    bad[where] ^= 0x10
-    volume.publish_bytes("data.distcp", bytes(bad))
-    spans = _in_place_spans(len(good))
-    consumed: list[str] = []
-    with pytest.raises(CorruptCheckpointError, match=rf"\(block {where // BLOCK}\)"):
-        fetch_ranges(
-            volume,
-            [RangeRequest("data.distcp", 0, len(good), ["item"])],
-            lambda req, view: consumed.append(req.name),
-            records={"data.distcp": record},
-            chunk_bytes=BLOCK,
-            max_inflight_bytes=1 << 30,
-            workers=2,
-            in_place=lambda req: [(lo, hi, memoryview(bytearray(hi - lo))) for lo, hi in spans],
-        )
-    assert consumed == []
+    _fetch_a_damaged_file(volume, good, where, BLOCK, _in_place_spans(len(good)))
