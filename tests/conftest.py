@@ -7,7 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 # DataLoader workers are forked and import numpy.random on start; if another thread of this process
@@ -24,6 +25,15 @@ pytest_plugins = ["tests.support.s3_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``cond`` every 10 ms until it is true or ``timeout`` seconds have passed (a guard
+    against a hang, not a measure of speed); returns its last value as a bool."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(cond())
 
 
 @pytest.fixture(autouse=True)

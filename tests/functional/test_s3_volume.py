@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -565,6 +566,8 @@ def test_the_client_cache_is_bounded_and_per_process() -> None:
     cache.get(("a",), build)  # a is now the most recently used
     cache.get(("c",), build)  # b goes
     assert cache.get(("a",), build)[0] is a and len(made) == 3
+    # Our handlers go onto each client once, when it is built, not on every volume that takes it.
+    assert all(c.registered == ["after-call.s3", "before-call.s3.GetObject"] for c in made)
     cache.get(("b",), build)
     assert len(made) == 4
     # A forked child never uses its parent's client (its connections are the parent's).
@@ -578,13 +581,15 @@ def test_the_client_cache_is_bounded_and_per_process() -> None:
 
 
 class _FakeClient:
-    """Stands for a boto3 client in the cache's own tests: only its event registry is used."""
+    """Stands for a boto3 client in the cache's own tests: only its event registry is used, and it
+    keeps the names of the events our handlers were registered for."""
 
-    class meta:  # noqa: N801 - boto3's attribute name
-        class events:  # noqa: N801
-            @staticmethod
-            def register(*_: object, **__: object) -> None:
-                pass
+    def __init__(self) -> None:
+        self.meta = SimpleNamespace(events=SimpleNamespace(register=self._register))
+        self.registered: list[str] = []
+
+    def _register(self, event: str, handler: object) -> None:
+        self.registered.append(event)
 
 
 def _client_ids_in_child(cache: Any, settings: tuple, answers: Any) -> None:

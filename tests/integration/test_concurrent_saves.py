@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 import traceback
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.conftest import wait_for
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.format.layout import parse_save_marker
 from uc_checkpoint.ops.garbage import collect_garbage
@@ -32,11 +32,11 @@ class Gate:
     ) -> None:
         self.reached, self.release, self.dest, self.markers = reached, release, dest, markers
 
+    def _claimed(self) -> bool:
+        return len([n for n in os.listdir(self.dest) if parse_save_marker(n)]) >= self.markers
+
     def __getstate__(self) -> dict:
-        deadline = time.monotonic() + 60
-        while len([n for n in os.listdir(self.dest) if parse_save_marker(n)]) < self.markers:
-            assert time.monotonic() < deadline, f"no {self.markers} save markers at {self.dest}"
-            time.sleep(0.005)
+        assert wait_for(self._claimed, timeout=60), f"no {self.markers} save markers at {self.dest}"
         self.reached.set()
         assert self.release.wait(120), "the test never released the first save"
         return {}

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.support import crash_loop
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.demo.run import kill_process_tree
@@ -261,11 +261,9 @@ def test_two_rank_manager_loop_killed(tmp_path: Path, capsys: pytest.CaptureFixt
             start_new_session=True,
         )
         try:
-            deadline = time.monotonic() + 300
-            while not confirmed_file.read_text().strip():
-                assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-                assert time.monotonic() < deadline, "the 2-rank saving loop made no progress"
-                time.sleep(0.1)
+            wait_for(lambda proc=proc: confirmed_file.read_text().strip() or proc.poll() is not None, timeout=300)
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert confirmed_file.read_text().strip(), "the 2-rank saving loop made no progress"
             phase = crash_loop.Phase(tmp_path / "phase.0")
             hits[kill_when(phase, targets[n % len(targets)], rng, lambda proc=proc: kill_process_tree(proc.pid))] += 1
         finally:

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.conftest import wait_for
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.preemption import PreemptionNotice
-
-
-def _wait_for(cond: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(cond())
 
 
 def test_notice_sets_a_flag_and_restores_handlers() -> None:
@@ -30,7 +23,7 @@ def test_notice_sets_a_flag_and_restores_handlers() -> None:
     try:
         assert not notice.received
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert _wait_for(lambda: notice.received)
+        assert wait_for(lambda: notice.received)
         assert notice.signal == signal.SIGUSR1
     finally:
         notice.uninstall()
@@ -44,7 +37,7 @@ def test_manager_preemption_requested(tmp_path: Path) -> None:
     try:
         assert manager.preemption_requested() is False
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert _wait_for(manager.preemption_requested)
+        assert wait_for(manager.preemption_requested)
     finally:
         manager.disable_preemption_save()
     assert signal.getsignal(signal.SIGUSR2) == before

@@ -76,6 +76,11 @@ class _Template:
         """Bytes of an item built from this template."""
         return self.data_end + len(self.tail)
 
+    def matches(self, view: memoryview) -> bool:
+        """Whether the item archive ``view`` is this template's shape: its length, and every byte
+        before the tensor's (the pickled tensor description included)."""
+        return len(view) == self.size and view[: self.data_start] == self.head
+
 
 def _storage_layout(raw: Any, nbytes: int) -> tuple[int, int, tuple[int, ...]] | None:
     """Locate the one storage record ("<archive>/data/0") of a single-tensor torch.save archive:
@@ -345,7 +350,7 @@ class ItemCodec:
             # A small tensor through its template: a memcpy into the target, where decode and
             # copy_ allocate a tensor and run torch's copy (OpenMP threads that wait for a busy core).
             template = _template_for(target.dtype, tuple(target.shape)) if nbytes else None
-            if template is None or len(view) != template.size or view[: template.data_start] != template.head:
+            if template is None or not template.matches(view):
                 return False
             _raw_bytes(target)[:] = view[template.data_start : template.data_end]
         else:
@@ -394,7 +399,7 @@ class ItemCodec:
         nbytes = math.prod(shape) * dtype.itemsize
         if 0 < nbytes <= MAX_FAST_BYTES and not dtype.is_complex:
             template = _template_for(dtype, shape)
-            if template is not None and len(view) == template.size and view[: template.data_start] == template.head:
+            if template is not None and template.matches(view):
                 recorded = struct.unpack_from("<I", view, template.crc_offsets[0])[0]
                 if recorded == 0:  # written with torch's crc32 computation switched off: let torch read it
                     return None

@@ -184,11 +184,11 @@ class ItemLoader:
                 raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
             return
         saved = self.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
-        resolved = self._resolved.pop(id(req), None)
+        target = self._resolved.pop(id(req), None)
+        if target is None:
+            target = self.planner.resolve_tensor(req).detach()
         if saved is not None and not self.check_archive_crc and _whole_chunk(req, saved[1]):
             # The manifest's block checksums covered these bytes: copy them straight into place.
-            target = resolved if resolved is not None else self.planner.resolve_tensor(req).detach()
-            resolved = target
             if target.dtype == saved[0] and tuple(target.shape) == saved[1] and self.codec.decode_into(data, target):
                 self.planner.commit_tensor(req, target)
                 return
@@ -206,7 +206,6 @@ class ItemLoader:
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         except Exception as exc:  # not a tensor archive, or not the chunk the metadata describes
             raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
-        target = resolved if resolved is not None else self.planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CorruptCheckpointError(
                 f"{self.volume.url_of(info.relative_path)}: item {req.storage_index.fqn} gives a tensor of shape "
