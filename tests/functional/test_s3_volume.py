@@ -673,9 +673,21 @@ def test_a_child_forked_while_a_client_is_built_gets_its_own(s3_server: str, s3_
     assert child.exitcode == 0, "the forked child hung or failed"
     listed, childs = answers.get()
     assert listed == {} and childs != parents
+    # A volume the child builds itself, while the parent's lock is held again at the fork.
+    with CLIENTS._lock:
+        child = ctx.Process(
+            target=_child_lists, args=(None, answers), kwargs={"where": (s3_server, s3_bucket, "forked/new")}
+        )
+        child.start()
+    child.join(60)
+    assert child.exitcode == 0, "the forked child hung or failed"
+    assert answers.get()[0] == {}
 
 
-def _child_lists(volume: S3Volume, answers: Any) -> None:
+def _child_lists(volume: S3Volume | None, answers: Any, where: tuple[str, str, str] | None = None) -> None:
+    if volume is None:
+        assert where is not None
+        volume = s3_volume(*where)
     answers.put((volume.list_files(), id(volume.client)))
 
 
@@ -698,3 +710,47 @@ def test_credentials_rotated_in_the_shared_file_give_a_new_client(
     creds.write_text("[default]\naws_access_key_id = NEWKEY\naws_secret_access_key = s\n")
     os.utime(creds, ns=(creds.stat().st_atime_ns, creds.stat().st_mtime_ns + 1_000_000_000))
     assert key_of(s3_volume(s3_server, s3_bucket, "rotate/3")) == "NEWKEY"
+
+
+def test_small_targets_inside_a_large_ones_memory_and_adjacent_views(
+    s3_server: str, s3_bucket: str, staging: Path
+) -> None:
+    """More of the kind the tester found: a small plan tensor (decoded from the buffer) lying inside a
+    large one's memory keeps both out of in-place reads; views of one buffer that do not overlap are
+    each received in place."""
+    x, small, y = torch.randn(512, 512), torch.randn(16, 512), torch.randn(512, 512)
+    volume = _ViewRecordingVolume(f"s3://{s3_bucket}/inside", endpoint_url=s3_server)
+    volume.addresses = []
+    dcp.save({"x": x, "small": small, "y": y}, storage_writer=UCVolumeWriter(volume))
+    big = torch.zeros(512, 512)
+    dcp.load({"x": big, "small": big[100:116]}, storage_reader=UCVolumeReader(volume))
+    assert torch.equal(big[:100], x[:100]) and torch.equal(big[116:], x[116:])
+    assert torch.equal(big[100:116], small) or torch.equal(big[100:116], x[100:116])
+    assert all(addr != big.data_ptr() for addr, _ in volume.addresses)  # not received in place
+    volume.addresses.clear()
+    buf = torch.zeros(1024, 512)
+    dcp.load({"x": buf[:512], "y": buf[512:]}, storage_reader=UCVolumeReader(volume))
+    assert torch.equal(buf[:512], x) and torch.equal(buf[512:], y)
+    for half in (buf[:512], buf[512:]):
+        assert (half.data_ptr(), half.numel() * 4) in volume.addresses
+
+
+def test_credentials_rotated_in_the_config_file_give_a_new_client(
+    s3_server: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    config = tmp_path / "config"
+    config.write_text("[default]\naws_access_key_id = CONFKEY1\naws_secret_access_key = s\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+
+    def key_of(volume: S3Volume) -> str:
+        return volume.client._request_signer._credentials.get_frozen_credentials().access_key
+
+    assert key_of(s3_volume(s3_server, s3_bucket, "conf/1")) == "CONFKEY1"
+    config.write_text("[default]\naws_access_key_id = CONFKEY2\naws_secret_access_key = s\n")
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1_000_000_000))
+    assert key_of(s3_volume(s3_server, s3_bucket, "conf/2")) == "CONFKEY2"
