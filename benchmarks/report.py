@@ -60,6 +60,19 @@ STORE_CPU = (
 )
 
 
+#: Cores kept busy by one timed call, client and store together: (client CPU + store CPU) / wall
+#: seconds, per run before the median. Near the host's core count, a call is CPU-bound: going
+#: faster needs less CPU on one side or the other, not more overlap.
+BUSY = {
+    "sync_save_busy": ("sync_save_s", "sync_save_cpu_s", "sync_save_store_cpu_s"),
+    "load_busy": ("load_s", "load_cpu_s", "load_store_cpu_s"),
+    "naive_save_busy": ("naive_save_s", "naive_save_cpu_s", "naive_save_store_cpu_s"),
+    "naive_load_busy": ("naive_load_s", "naive_load_cpu_s", "naive_load_store_cpu_s"),
+    "upload_busy": ("upload_s", "upload_cpu_s", "upload_store_cpu_s"),
+    "download_busy": ("download_s", "download_cpu_s", "download_store_cpu_s"),
+}
+
+
 def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Combo, str], list[dict[str, float]]]:
     """One row per run (all ranks folded: slowest rank's times, rank 0's publish time, the biggest
     process's memory), grouped by (combo, case). ``default_mb``: the size of results that predate
@@ -97,6 +110,9 @@ def _run_rows(results: list[dict[str, Any]], default_mb: int) -> dict[tuple[Comb
         pub = [r["publish_s"] for r in rs if "publish_s" in r]
         if pub:
             row["publish_s"] = pub[0]
+        for busy, (wall, client, server) in BUSY.items():
+            if wall in row and client in row and server in row and row[wall] > 0:
+                row[busy] = (row[client] + row[server]) / row[wall]
         rows[(combo, name)].append(row)
     return rows
 
@@ -264,13 +280,17 @@ def update_readme(raw: dict[str, Any], readme: Path) -> bool:
 
 
 def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list[tuple[str, ...]]:
-    """(path, sync save s, save client CPU-s/GiB, save store CPU-s/GiB, load s, load client CPU-s/GiB,
-    load store CPU-s/GiB) for one combo: every case that measured CPU, the naive staged path and raw
-    boto3 on our files (from the boto3 case). Client CPU is per GiB of checkpoint, summed over the
-    ranks' processes; store CPU is the S3 server's over the same calls ("-" where not measured)."""
+    """(path, sync save s, save client CPU-s/GiB, save store CPU-s/GiB, save cores busy, load s, load
+    client CPU-s/GiB, load store CPU-s/GiB, load cores busy) for one combo: every case that measured
+    CPU, the naive staged path and raw boto3 on our files (from the boto3 case). Client CPU is per GiB
+    of checkpoint, summed over the ranks' processes; store CPU is the S3 server's over the same calls;
+    cores busy is :data:`BUSY`'s figure ("-" where not measured)."""
 
     def per_gib(row: dict[str, float], key: str) -> str:
         return _fmt(row[key] / (row["bytes"] / GIB)) if key in row else "-"
+
+    def busy(row: dict[str, float], key: str) -> str:
+        return _fmt(row.get(key))
 
     out = []
     for (c, name), row in sorted(m.items(), key=lambda kv: kv[0][1]):
@@ -284,9 +304,11 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                         _fmt(row["naive_save_s"]),
                         per_gib(row, "naive_save_cpu_s"),
                         per_gib(row, "naive_save_store_cpu_s"),
+                        busy(row, "naive_save_busy"),
                         _fmt(row.get("naive_load_s")),
                         per_gib(row, "naive_load_cpu_s"),
                         per_gib(row, "naive_load_store_cpu_s"),
+                        busy(row, "naive_load_busy"),
                     )
                 )
             if "upload_cpu_s" in row:
@@ -296,9 +318,11 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                         _fmt(row["upload_s"]),
                         per_gib(row, "upload_cpu_s"),
                         per_gib(row, "upload_store_cpu_s"),
+                        busy(row, "upload_busy"),
                         _fmt(row["download_s"]),
                         per_gib(row, "download_cpu_s"),
                         per_gib(row, "download_store_cpu_s"),
+                        busy(row, "download_busy"),
                     )
                 )
         elif "sync_save_cpu_s" in row:
@@ -308,9 +332,11 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                     _fmt(row["sync_save_s"]),
                     per_gib(row, "sync_save_cpu_s"),
                     per_gib(row, "sync_save_store_cpu_s"),
+                    busy(row, "sync_save_busy"),
                     _fmt(row.get("load_s")),
                     per_gib(row, "load_cpu_s"),
                     per_gib(row, "load_store_cpu_s"),
+                    busy(row, "load_busy"),
                 )
             )
     return out
@@ -359,6 +385,7 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
     """Write the markdown report (and its plots under ``<path stem>/``)."""
     m = medians(raw["results"], raw["args"]["size_mb"])
     mach = raw["machine"]
+    cores = mach.get("cores", "?")
     a = raw["args"]
     lines = [
         "# Benchmarks",
@@ -430,11 +457,13 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
                     if store == "moto"
                     else ""
                 )
-                + "; 10 ms clock ticks, so small checkpoints read coarsely):",
+                + "; 10 ms clock ticks, so small checkpoints read coarsely). *Cores busy*: client and "
+                f"store CPU seconds over the call's wall seconds, of the host's {cores} cores; near "
+                f"{cores}, the call is CPU-bound on this host:",
                 "",
-                "| path | save s | save CPU-s/GiB | save store CPU-s/GiB | load s | load CPU-s/GiB "
-                "| load store CPU-s/GiB |",
-                "|---|---|---|---|---|---|---|",
+                "| path | save s | save CPU-s/GiB | save store CPU-s/GiB | save cores busy | load s "
+                "| load CPU-s/GiB | load store CPU-s/GiB | load cores busy |",
+                "|---|---|---|---|---|---|---|---|---|",
                 *(f"| {' | '.join(r)} |" for r in cpu),
             ]
         suffix = "" if store == DEFAULT_STORE else f"-{store}"

@@ -153,20 +153,24 @@ def test_cpu_rows_are_per_gib_summed_over_ranks() -> None:
     m = medians(_cpu_results("moto", 0.5) + _cpu_results("localbucket", 0.25))
     rows = {r[0]: r[1:] for r in cpu_rows(m, ("gpt", 256, 2, "moto"))}
     # 0.25 GiB in all: uc 1.0 CPU-s of save -> 4.00 per GiB; the slowest rank's time; store 0.75 s
-    # (rank 1's 0.5 + 0.25) -> 3.00 per GiB.
-    assert rows["uc-s3"] == ("2.00", "4.00", "3.00", "0.50", "2.00", "1.00")
-    # no store CPU measured for the naive path here: "-"
+    # (rank 1's 0.5 + 0.25) -> 3.00 per GiB; cores busy (1.0 + 0.75) / 2.0 s = 0.88, the load's
+    # (0.5 + 0.25) / 0.5 s = 1.50.
+    assert rows["uc-s3"] == ("2.00", "4.00", "3.00", "0.88", "0.50", "2.00", "1.00", "1.50")
+    # no store CPU measured for the naive path here: "-", and no cores-busy figure either
     assert rows["naive staged: FileSystemWriter to local disk, then boto3"] == (
         "2.00",
         "8.00",
         "-",
+        "-",
         "1.50",
         "4.00",
         "-",
+        "-",
     )
-    assert rows["raw boto3 on our files (transfer only)"] == ("0.80", "1.00", "2.00", "0.60", "1.00", "0.50")
+    raw = ("0.80", "1.00", "2.00", "0.94", "0.60", "1.00", "0.50", "0.62")
+    assert rows["raw boto3 on our files (transfer only)"] == raw
     lb = {r[0]: r[1:] for r in cpu_rows(m, ("gpt", 256, 2, "localbucket"))}
-    assert lb["uc-s3"] == ("2.00", "4.00", "2.00", "0.50", "2.00", "0.50")
+    assert lb["uc-s3"] == ("2.00", "4.00", "2.00", "0.75", "0.50", "2.00", "0.50", "1.25")
     assert m[(("gpt", 256, 2, "localbucket"), "uc-s3")]["store_cpu_s"] == pytest.approx(0.75)
 
 
@@ -199,11 +203,12 @@ def test_report_has_a_section_per_store(tmp_path: Path) -> None:
     assert moto_at < lb_at  # moto's section first
     assert "localbucket 9.9: a small S3 server" in text[lb_at:]
     # the headline rows once per store, each with its store's CPU
-    assert text.count("| uc-s3 | 2.00 | 4.00 | 3.00 | 0.50 | 2.00 | 1.00 |") == 1
-    assert text.count("| uc-s3 | 2.00 | 4.00 | 2.00 | 0.50 | 2.00 | 0.50 |") == 1
+    assert text.count("| uc-s3 | 2.00 | 4.00 | 3.00 | 0.88 | 0.50 | 2.00 | 1.00 | 1.50 |") == 1
+    assert text.count("| uc-s3 | 2.00 | 4.00 | 2.00 | 0.75 | 0.50 | 2.00 | 0.50 | 1.25 |") == 1
     assert text.index("| uc-s3 | 2.00 | 4.00 | 2.00 |") > lb_at > text.index("| uc-s3 | 2.00 | 4.00 | 3.00 |")
     assert text.count("| boto3 (raw upload / download) |") == 2
-    assert "| save store CPU-s/GiB |" in text
+    assert "| save store CPU-s/GiB | save cores busy |" in text
+    assert "of the host's 2 cores" in text
 
 
 def test_store_choice() -> None:
