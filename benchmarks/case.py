@@ -104,6 +104,13 @@ def _writer(case: str, dest: str) -> Any:
         from uc_checkpoint import UCVolumeWriter
 
         return UCVolumeWriter(dest)
+    if case == "uc-unsigned":
+        from uc_checkpoint import UCVolumeWriter
+        from uc_checkpoint.volumes import S3Volume
+
+        # SigV4 with UNSIGNED-PAYLOAD, as s3torchconnector's CRT client signs every request
+        # (aws-c-s3's default signing config): no SHA-256 over each body. An option, not our default.
+        return UCVolumeWriter(S3Volume(dest, sign_payload=False))
     if case == "fs":
         return dcp.FileSystemWriter(dest)
     if case == "fsspec":
@@ -132,7 +139,7 @@ def _s3tc_client() -> Any:
 
 
 def _reader(case: str, dest: str) -> Any:
-    if case == "uc":
+    if case in ("uc", "uc-unsigned"):  # a GET has no body to sign: the same reader
         from uc_checkpoint import UCVolumeReader
 
         return UCVolumeReader(dest)
@@ -163,7 +170,7 @@ def _timed_copy(sd: Any) -> float:
 def _planner(case: str) -> Any:
     """Ours with the planner the README recommends beside it (small replicated items on one rank);
     DCP's default planner for every other case."""
-    if case != "uc":
+    if case not in ("uc", "uc-unsigned"):
         return None
     from uc_checkpoint import UCSavePlanner
 
@@ -329,7 +336,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.case", description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", required=True, choices=("uc", "fs", "fsspec", "s3tc", "boto3"))
+    p.add_argument("--case", required=True, choices=("uc", "uc-unsigned", "fs", "fsspec", "s3tc", "boto3"))
     p.add_argument("--dest", required=True, help="checkpoint location (path or URL)")
     p.add_argument("--visible", help="the .metadata object/file on the volume itself (s3://... or a path)")
     p.add_argument("--kind", default="gpt", choices=("gpt", "small"))

@@ -216,6 +216,14 @@ def cost_targets(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> 
             ratio(u.get("sync_save_cpu_s"), s3tc.get("sync_save_cpu_s")),
             lambda v: v <= 1.5,
         )
+        unsigned = m.get((combo, "uc-s3-unsigned"))
+        if unsigned:
+            add(
+                "the same, both UNSIGNED-PAYLOAD (ours: the sign_payload=False option)",
+                "<= 1.5x",
+                ratio(unsigned.get("sync_save_cpu_s"), s3tc.get("sync_save_cpu_s")),
+                lambda v: v <= 1.5,
+            )
         add(
             "sync save speed vs s3torchconnector",
             ">= 1x",
@@ -292,7 +300,7 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
     def busy(row: dict[str, float], key: str) -> str:
         return _fmt(row.get(key))
 
-    out = []
+    out: list[tuple[str, ...]] = []
     for (c, name), row in sorted(m.items(), key=lambda kv: kv[0][1]):
         if c != combo:
             continue

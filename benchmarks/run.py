@@ -12,6 +12,8 @@ repeat by repeat so that drift on the machine hits them alike:
 
 ==================  ===========================================================================
 ``uc-s3``           UCVolumeWriter/Reader to ``s3://`` (boto3)
+``uc-s3-unsigned``  the same with ``S3Volume(sign_payload=False)``: SigV4 ``UNSIGNED-PAYLOAD``, as
+                    s3torchconnector's CRT client signs (an option, measured beside the default)
 ``uc-s3fs``         UCVolumeWriter/Reader to the s3fs mount
 ``fs-s3fs``         DCP's FileSystemWriter/Reader directly on the s3fs mount (the baseline)
 ``uc-bindfs``       UCVolumeWriter/Reader to the bindfs mount
@@ -23,8 +25,9 @@ repeat by repeat so that drift on the machine hits them alike:
 ==================  ===========================================================================
 
 Stores (``--stores``): every case runs against ``moto`` (the S3 server above, objects in memory,
-threads of this process). The direct-S3 cases (the headline rows: ``uc-s3``, ``boto3`` with the naive
-staged path, ``s3tc``, ``fsspec-s3``) also run against ``localbucket`` (PyPI, in the ``bench`` extra: a
+threads of this process). The direct-S3 cases (the headline rows: ``uc-s3`` and ``uc-s3-unsigned``,
+``boto3`` with the naive staged path, ``s3tc``, ``fsspec-s3``) also run against ``localbucket`` (PyPI,
+in the ``bench`` extra: a
 small disk-backed S3 server, several times moto's download speed), started as a process of its own on
 a free port with a data root under the scratch directory, so that the store's limits can be told apart
 from the clients' costs. localbucket rejects keys ending in "/", so s3fs-fuse cannot mount it: the FUSE
@@ -66,9 +69,20 @@ FUSE_BUCKET = "fusebench"
 DIRECT_BUCKET = "directbench"
 
 KINDS = ("gpt", "small")
-CASES = ("uc-s3", "uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs", "fs-local", "fsspec-s3", "s3tc", "boto3")
+CASES = (
+    "uc-s3",
+    "uc-s3-unsigned",
+    "uc-s3fs",
+    "fs-s3fs",
+    "uc-bindfs",
+    "fs-bindfs",
+    "fs-local",
+    "fsspec-s3",
+    "s3tc",
+    "boto3",
+)
 #: The cases that talk S3 directly (no FUSE mount, no local disk): the ones run on every store.
-DIRECT_CASES = ("uc-s3", "fsspec-s3", "s3tc", "boto3")
+DIRECT_CASES = ("uc-s3", "uc-s3-unsigned", "fsspec-s3", "s3tc", "boto3")
 STORES = ("moto", "localbucket")
 # The fake credentials every case uses (neither server checks them); a developer's session token or
 # profile must not mix with them.
@@ -101,6 +115,9 @@ def case_plan(name: str, run_id: str, dirs: dict[str, Path]) -> tuple[str, str, 
     """(case kind for benchmarks.case, --dest, --visible) of one named case."""
     if name == "uc-s3":
         return "uc", f"s3://{DIRECT_BUCKET}/{run_id}/uc", f"s3://{DIRECT_BUCKET}/{run_id}/uc/.metadata"
+    if name == "uc-s3-unsigned":
+        where = f"s3://{DIRECT_BUCKET}/{run_id}/ucu"
+        return "uc-unsigned", where, f"{where}/.metadata"
     if name == "fsspec-s3":
         return "fsspec", f"s3://{DIRECT_BUCKET}/{run_id}/fsspec", f"s3://{DIRECT_BUCKET}/{run_id}/fsspec/.metadata"
     if name == "s3tc":

@@ -22,7 +22,7 @@ from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, case_env, run_case
 QUICK = bool(os.environ.get("UC_BENCH_QUICK"))
 MB = 8 if QUICK else int(os.environ.get("UC_BENCH_MB", "64"))
 FUSE_CASES = ("uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs")
-CASES = ("uc-s3", "fs-local", "s3tc", "boto3", *FUSE_CASES)
+CASES = ("uc-s3", "uc-s3-unsigned", "fs-local", "s3tc", "boto3", *FUSE_CASES)
 
 
 def _fuse_problem() -> str | None:
