@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,6 +67,22 @@ def test_snapshot_copies_each_tensor_once_and_keeps_the_structure() -> None:
     assert snap["blob"].getvalue() == b"abc" and snap["progress"].seen == [1, 2]
 
 
+def test_snapshot_copies_a_tensor_once_across_nesting_and_dict_kinds() -> None:
+    from collections import OrderedDict
+
+    shared = torch.randn(16)
+    sd = {
+        "model": OrderedDict([("b", shared), ("a", torch.ones(3))]),  # a module's state_dict()
+        "optim": {"state": {0: {"exp_avg": shared}}, "groups": [shared]},
+    }
+    snap = cpu_snapshot(sd)
+
+    assert type(snap["model"]) is dict and list(snap["model"]) == ["b", "a"]  # order kept
+    copy = snap["model"]["b"]
+    assert snap["optim"]["state"][0]["exp_avg"] is copy and snap["optim"]["groups"][0] is copy
+    assert copy.data_ptr() != shared.data_ptr() and torch.equal(copy, shared)
+
+
 def test_snapshot_keeps_a_dtensors_layout(single_rank_group: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -118,3 +135,34 @@ def test_async_save_keeps_the_values_of_the_moment_it_returned(single_rank_group
     assert torch.equal(target["model"]["w"].full_tensor(), expected["w"])
     assert torch.equal(target["model"]["b"], expected["b"])
     assert target["step"] == 7
+
+
+def test_async_save_returns_before_its_thread_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP starts the save's thread inside async_save; that thread plans holding the GIL while the
+    caller waits for it to return to training. The writer's first hook on that thread hands the
+    GIL back first, so async_save has returned before the planner starts (without the hand-back
+    the planner starts first: the caller gets the GIL only after a switch interval, 5 ms)."""
+    import threading
+    import time
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import uc_checkpoint.dcp.writer as writer_module
+
+    # Generous, so that a busy machine cannot delay the caller's wake-up past it.
+    monkeypatch.setattr(writer_module, "HAND_BACK_S", 0.2)
+    planned_at: list[tuple[float, bool]] = []
+
+    class RecordingPlanner(DefaultSavePlanner):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            planned_at.append((time.perf_counter(), threading.current_thread() is threading.main_thread()))
+            super().set_up_planner(*args, **kwargs)
+
+    sd = {"layer": {f"t{i}": torch.randn(64) for i in range(200)}, "step": 3}
+    fut = dcp.async_save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"), planner=RecordingPlanner())
+    returned_at = time.perf_counter()
+    fut.result(timeout=120)
+
+    ((planned, on_main),) = planned_at
+    assert not on_main  # planned on the save's own thread
+    assert returned_at < planned
