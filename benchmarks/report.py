@@ -174,7 +174,10 @@ def cost_targets(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> 
         return num / den if num is not None and den else None
 
     def add(label: str, want: str, value: float | None, ok: Callable[[float], bool]) -> None:
-        rows.append((label, want, "-" if value is None else f"{value:.2f}x", None if value is None else ok(value)))
+        # Judged as shown (two decimals): equal CPU figures must not fail "<= 1.0x" by float noise.
+        rows.append(
+            (label, want, "-" if value is None else f"{value:.2f}x", None if value is None else ok(round(value, 2)))
+        )
 
     u, n = uc or {}, b or {}
     add(

@@ -283,6 +283,20 @@ def test_cost_targets_follow_the_issues_rules_by_size() -> None:
     assert small["sync save time vs the naive staged path (fixed per-save costs)"] == ("1.50x", False)
 
 
+def test_a_ratio_is_judged_as_shown() -> None:
+    # The same CPU measured twice, with float noise: 0.030000000000000027 / 0.029999999999999805 is
+    # 1.0000000000000074, shown as 1.00x, and must meet "<= 1.0x".
+    m = medians(_costs(256, uc_save=0.8, naive_save=1.0))
+    combo = ("gpt", 256, 1, "moto")
+    for row in m.values():
+        row.pop("load_cpu_s", None)
+        row.pop("download_cpu_s", None)
+    m[(combo, "uc-s3")]["load_cpu_s"] = 0.030000000000000027
+    m[(combo, "boto3")]["download_cpu_s"] = 0.029999999999999805
+    rows = {label: (got, ok) for label, _w, got, ok in cost_targets(m, combo)}
+    assert rows["load client CPU vs raw boto3 download"] == ("1.00x", True)
+
+
 def test_the_unsigned_payload_option_is_compared_with_s3torchconnector_apart() -> None:
     gib = 256 / 1024
     unsigned = [

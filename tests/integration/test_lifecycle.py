@@ -288,6 +288,50 @@ def test_a_sync_save_beside_an_async_save_of_the_same_writer(tmp_path: Path, mon
         assert torch.equal(target["t0"], torch.full((64, 1024), value)), loc
 
 
+def test_a_sync_save_right_after_an_async_save_without_checkpoint_id(tmp_path: Path) -> None:
+    # The caller's synchronous save can reach the writer before the async save's own thread does
+    # (that thread hands the GIL back at its first hook): it must take neither the async save's
+    # location nor its exit ticket.
+    for i in range(20):
+        writer = UCVolumeWriter(tmp_path / f"P{i}")
+        fut = dcp.async_save({"w": torch.ones(16), "step": 1}, storage_writer=writer, no_dist=True)
+        dcp.save(
+            {"w": torch.full((16,), 2.0), "step": 2},
+            storage_writer=writer,
+            checkpoint_id=tmp_path / f"Q{i}",
+            no_dist=True,
+        )
+        fut.result(timeout=60)
+        for loc, value in ((tmp_path / f"P{i}", 1.0), (tmp_path / f"Q{i}", 2.0)):
+            target = {"w": torch.zeros(16), "step": 0}
+            dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+            assert torch.equal(target["w"], torch.full((16,), value)) and target["step"] == value, (i, loc)
+
+
+def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP's PROCESS mode without a process group raises after our stage(): that save's thread never
+    # reaches the writer. The next async save must go where the writer points now, and the dead
+    # save's exit ticket must be over (else the interpreter's exit waits for it).
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from uc_checkpoint.dcp import exit_guard
+    from uc_checkpoint.dcp import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "UNCLAIMED_WAIT_S", 0.2)
+    writer = UCVolumeWriter(tmp_path / "A")
+    with pytest.raises(ValueError, match="process group"):
+        dcp.async_save(
+            {"w": torch.ones(16)}, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+    writer.reset(tmp_path / "B")
+    dcp.async_save({"w": torch.full((16,), 2.0)}, storage_writer=writer, no_dist=True).result(timeout=60)
+    assert (tmp_path / "B" / ".metadata").is_file() and not (tmp_path / "A" / ".metadata").exists()
+    stale = [t for t in exit_guard._GUARD._tickets if not t.over() and str(tmp_path / "A") in t.what]
+    assert not stale
+
+
 def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tmp_path / "A", tmp_path / "B"
     dcp.save(_big(1.0), storage_writer=UCVolumeWriter(a, file_size_bytes=256 << 10), no_dist=True)

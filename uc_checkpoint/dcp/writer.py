@@ -73,8 +73,15 @@ from uc_checkpoint.volumes import Volume
 logger = logging.getLogger(__name__)
 
 #: Seconds an async save's thread sleeps at its first hook so that the caller of ``async_save``
-#: takes the GIL back and returns (see :meth:`UCVolumeWriter.storage_meta`).
+#: takes the GIL back and returns (see :meth:`UCVolumeWriter._claim_staged`).
 HAND_BACK_S = 0.001
+#: Seconds the next ``stage()`` of a thread waits for an earlier async save of the same thread to
+#: be claimed by its own thread (milliseconds normally) before ending it as never started.
+UNCLAIMED_WAIT_S = 5.0
+
+#: An async save staged and not yet set up: (exit ticket, location when staged, world size or None,
+#: ident of the thread that staged it).
+_Staged = tuple[exit_guard.SaveTicket, str | Volume, int | None, int]
 _T = TypeVar("_T")
 
 exit_guard.install()  # a save in flight when the script ends is finished first
@@ -211,10 +218,14 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     ) -> None:
         _check_arguments(path, upload_workers, thread_count, file_size_bytes, spread_prefixes)
         self._init_sessions(path, volume_options)
-        # Async saves staged but not yet set up: their exit ticket, where the caller's writer pointed
-        # then (another save's reset may move it before this one's thread starts), the world size it
-        # was staged in (None without a process group) and the thread that staged it.
-        self._pending: deque[tuple[exit_guard.SaveTicket, str | Volume, int | None, int]] = deque()
+        # Async saves staged whose own thread has not reached the writer yet: their exit ticket,
+        # where the caller's writer pointed then (another save's reset may move it before this one's
+        # thread starts), the world size it was staged in (None without a process group) and the
+        # thread that staged it. A save's thread claims its entry at its first hook (_claim_staged).
+        self._pending: deque[_Staged] = deque()
+        self._claims = threading.Condition()
+        # Entries claimed by a save's thread and not yet set up, by thread.
+        self._claimed: dict[int, tuple[threading.Thread, _Staged]] = {}
         # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
         super().__init__(
             path=".", single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=overwrite
@@ -263,12 +274,21 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # DCP's PROCESS mode pickles the writer for its background process: a save staged here
         # continues there, where the exit guard has nothing to wait for.
         state = super().__getstate__()
-        if self._pending:
-            self._pending.popleft()[0].end()
+        with self._claims:
+            if self._pending:
+                self._pending.popleft()[0].end()
         state["_pending"] = deque()
+        state["_claims"] = None
+        state["_claimed"] = {}
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._claims = threading.Condition()
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        # DCP's first hook on an async save's thread when the save names a checkpoint_id.
+        self._claim_staged()
         self._reset_location(checkpoint_id)
 
     # ---- staging (the only part of async_save that blocks training) --------------------------
@@ -284,26 +304,72 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             staged = super().stage(state_dict)
         # The save's thread does not exist yet: an exit right after async_save must still wait.
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-        ticket = exit_guard.open_ticket(str(self._location), background=True)
-        self._pending.append((ticket, self._location, world, threading.get_ident()))
+        me = threading.get_ident()
+        with self._claims:
+            self._drop_unclaimed(me)
+            ticket = exit_guard.open_ticket(str(self._location), background=True)
+            self._pending.append((ticket, self._location, world, me))
         return staged
+
+    def _drop_unclaimed(self, staged_by: int) -> None:
+        """End the entries an earlier ``stage()`` of thread ``staged_by`` left that no save's thread
+        claimed within :data:`UNCLAIMED_WAIT_S`: DCP failed after staging them (a PROCESS-mode save
+        without a process group, an error before our first hook), and the next async save's thread
+        would otherwise take the stale entry, its location and ticket. Called holding the lock."""
+        deadline = time.monotonic() + UNCLAIMED_WAIT_S
+        while any(entry[3] == staged_by for entry in self._pending):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._claims.wait(left)  # a save's thread claiming an entry wakes this
+        for entry in [e for e in self._pending if e[3] == staged_by]:
+            self._pending.remove(entry)
+            entry[0].end(
+                StagingError(f"an async save staged for {entry[1]} never reached the writer (DCP failed before it)")
+            )
+
+    def _claim_staged(self) -> _Staged | None:
+        """The async save this thread runs: the entry ``stage()`` left for it, claimed at the
+        thread's first hook (``reset`` with a checkpoint_id, else ``storage_meta``), or None for a
+        save on the thread that staged (a synchronous one) or with nothing staged.
+
+        First-in-first-out between the threads of async saves, never taken by the staging thread
+        itself: a synchronous ``dcp.save`` its caller starts while an async save's thread has not
+        reached the writer yet must not take that save's location and ticket. A new claim hands the
+        GIL back (:data:`HAND_BACK_S`): DCP starts this thread from inside ``async_save``, whose caller
+        then waits for the GIL to return to training while this thread plans holding it, up to a
+        switch interval (5 ms; 7% of the time async_save blocked for 5,000 small tensors)."""
+        me = threading.current_thread()
+        with self._claims:
+            mine = self._claimed.get(me.ident or 0)
+            if mine is not None and mine[0] is me:
+                return mine[1]
+            if not self._pending or self._pending[0][3] == me.ident:
+                return None
+            entry = self._pending.popleft()
+            # Claims of finished threads (a save DCP failed between our hooks) go with them.
+            self._claimed = {k: v for k, v in self._claimed.items() if v[0].is_alive()}
+            self._claimed[me.ident or 0] = (me, entry)
+            entry[0].bind()  # the ticket follows this thread: if it dies without ending it, it is over
+            self._claims.notify_all()
+        time.sleep(HAND_BACK_S)
+        return entry
 
     def storage_meta(self) -> StorageMeta | None:
         """DCP's storage metadata of this save (as FileSystemWriter's). The first hook DCP calls on
-        an async save's own thread: it hands the interpreter back to the caller of ``async_save``
-        once (:data:`HAND_BACK_S`) before DCP's planner walks the whole state dict."""
-        if self._pending and self._pending[0][3] != threading.get_ident():
-            # DCP starts this thread from inside async_save, whose caller then waits for the GIL
-            # to return to training while this thread plans holding it: up to a switch interval
-            # (5 ms) per save, 7% of the time async_save blocked for 5,000 small tensors.
-            time.sleep(HAND_BACK_S)
+        an async save's own thread when the save names no checkpoint_id: the thread claims its
+        save there (:meth:`_claim_staged`)."""
+        self._claim_staged()
         return super().storage_meta()
 
     # ---- planning -----------------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        try:
-            ticket, location, world, _staged_by = self._pending.popleft()
-        except IndexError:  # a synchronous save (or PROCESS mode's background process)
+        staged = self._claim_staged()
+        if staged is not None:
+            ticket, location, world, _staged_by = staged
+            with self._claims:
+                self._claimed.pop(threading.get_ident(), None)
+        else:  # a synchronous save (or PROCESS mode's background process)
             ticket, location, world = exit_guard.open_ticket(str(self._location)), None, None
         save = self._begin_session(location)
         assert isinstance(save, _SaveSession)
