@@ -15,6 +15,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +331,99 @@ def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
     assert (tmp_path / "B" / ".metadata").is_file() and not (tmp_path / "A" / ".metadata").exists()
     stale = [t for t in exit_guard._GUARD._tickets if not t.over() and str(tmp_path / "A") in t.what]
     assert not stale
+
+
+@pytest.fixture
+def late_save_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's async save threads start their work 50 ms late, as when the OS schedules them late:
+    whatever the caller does next reaches the writer first."""
+    from torch.distributed.checkpoint import _async_thread_executor as executor
+
+    real = executor.save_wrapper
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "save_wrapper", late)
+
+
+def _holds(loc: Path) -> float | None:
+    if not (loc / ".metadata").is_file():
+        return None
+    target = {"w": torch.zeros(16), "step": 0}
+    dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+    assert torch.equal(target["w"], torch.full((16,), float(target["step"]))), loc  # one save's bytes
+    return float(target["step"])
+
+
+def _step(n: int) -> dict[str, Any]:
+    return {"w": torch.full((16,), float(n)), "step": n}
+
+
+@pytest.mark.parametrize("how", ["checkpoint_id", "reset"])
+def test_another_threads_save_takes_nothing_from_an_async_save_not_started(
+    tmp_path: Path, late_save_threads: None, how: str
+) -> None:
+    a, b = tmp_path / "A", tmp_path / "B"
+    writer = UCVolumeWriter(a)
+    fut = dcp.async_save(_step(1), storage_writer=writer, no_dist=True)
+
+    def other() -> None:
+        if how == "reset":
+            writer.reset(b)
+            dcp.save(_step(2), storage_writer=writer, no_dist=True)
+        else:
+            dcp.save(_step(2), storage_writer=writer, checkpoint_id=b, no_dist=True)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join(timeout=60)
+    fut.result(timeout=60)
+    assert (_holds(a), _holds(b)) == (1.0, 2.0)
+
+
+def test_a_failed_async_save_leaves_nothing_for_another_threads_save(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    writer = UCVolumeWriter(a)
+    dcp.save(_step(0), storage_writer=writer, no_dist=True)  # a good checkpoint at A
+    with pytest.raises(ValueError, match="process group"):  # fails after our stage()
+        dcp.async_save(_step(1), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    writer.reset(b)
+    thread = threading.Thread(target=lambda: dcp.save(_step(2), storage_writer=writer, no_dist=True))
+    thread.start()
+    thread.join(timeout=60)
+    assert (_holds(a), _holds(b)) == (0.0, 2.0)  # A's checkpoint kept, the new one at B
+
+
+def test_pickling_a_writer_with_an_async_save_staged_leaves_that_save_alone(
+    tmp_path: Path, late_save_threads: None
+) -> None:
+    a, b = tmp_path / "A", tmp_path / "B"
+    writer = UCVolumeWriter(a)
+    fut = dcp.async_save(_step(1), storage_writer=writer, no_dist=True)
+    clone = pickle.loads(pickle.dumps(writer))  # not DCP's PROCESS hand-over: nothing to take
+    writer.reset(b)
+    dcp.save(_step(2), storage_writer=writer, no_dist=True)
+    fut.result(timeout=60)
+    assert (_holds(a), _holds(b)) == (1.0, 2.0)
+    dcp.save(_step(3), storage_writer=clone, checkpoint_id=tmp_path / "C", no_dist=True)
+    assert _holds(tmp_path / "C") == 3.0
+
+
+def test_an_async_save_goes_where_its_own_thread_pointed(tmp_path: Path) -> None:
+    # A thread's saves stay where its last reset(checkpoint_id) pointed, async ones too, whatever
+    # another thread's reset did to the writer since.
+    writer = UCVolumeWriter(tmp_path / "P")
+    writer.reset(tmp_path / "B")
+    other = threading.Thread(target=writer.reset, args=(tmp_path / "C",))
+    other.start()
+    other.join(timeout=60)
+    dcp.async_save(_step(1), storage_writer=writer, no_dist=True).result(timeout=60)
+    dcp.save(_step(2), storage_writer=writer, checkpoint_id=tmp_path / "D", no_dist=True)
+    assert (_holds(tmp_path / "B"), _holds(tmp_path / "C")) == (1.0, None)
 
 
 def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -80,8 +82,8 @@ HAND_BACK_S = 0.001
 UNCLAIMED_WAIT_S = 5.0
 
 #: An async save staged and not yet set up: (exit ticket, location when staged, world size or None,
-#: ident of the thread that staged it).
-_Staged = tuple[exit_guard.SaveTicket, str | Volume, int | None, int]
+#: ident of the thread that staged it, the staged state dict ``stage()`` returned).
+_Staged = tuple[exit_guard.SaveTicket, str | Volume, int | None, int, Any]
 _T = TypeVar("_T")
 
 exit_guard.install()  # a save in flight when the script ends is finished first
@@ -220,8 +222,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         self._init_sessions(path, volume_options)
         # Async saves staged whose own thread has not reached the writer yet: their exit ticket,
         # where the caller's writer pointed then (another save's reset may move it before this one's
-        # thread starts), the world size it was staged in (None without a process group) and the
-        # thread that staged it. A save's thread claims its entry at its first hook (_claim_staged).
+        # thread starts), the world size it was staged in (None without a process group), the
+        # thread that staged it and the staged dict. A save's thread claims its entry at its first
+        # hook (_claim_staged).
         self._pending: deque[_Staged] = deque()
         self._claims = threading.Condition()
         # Entries claimed by a save's thread and not yet set up, by thread.
@@ -275,8 +278,13 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # continues there, where the exit guard has nothing to wait for.
         state = super().__getstate__()
         with self._claims:
-            if self._pending:
-                self._pending.popleft()[0].end()
+            # Only the save being handed over (its staged dict is on this thread's stack, in DCP's
+            # process executor): a pickle or deepcopy of the writer for anything else ends nothing.
+            handed = self._entry_on_stack()
+            if handed is not None:
+                self._pending.remove(handed)
+                handed[0].end()
+                self._claims.notify_all()
         state["_pending"] = deque()
         state["_claims"] = None
         state["_claimed"] = {}
@@ -305,10 +313,13 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # The save's thread does not exist yet: an exit right after async_save must still wait.
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         me = threading.get_ident()
+        # Where this thread's saves go: its last reset(checkpoint_id), as for its synchronous saves.
+        mine = self._sessions.get(me)
+        location = mine[1].location if mine is not None else self._location
         with self._claims:
             self._drop_unclaimed(me)
-            ticket = exit_guard.open_ticket(str(self._location), background=True)
-            self._pending.append((ticket, self._location, world, me))
+            ticket = exit_guard.open_ticket(str(location), background=True)
+            self._pending.append((ticket, location, world, me, staged))
         return staged
 
     def _drop_unclaimed(self, staged_by: int) -> None:
@@ -328,25 +339,43 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                 StagingError(f"an async save staged for {entry[1]} never reached the writer (DCP failed before it)")
             )
 
+    def _entry_on_stack(self) -> _Staged | None:
+        """The pending entry whose staged dict a frame of the calling thread holds: DCP's async
+        save thread passes the dict ``stage()`` returned down its stack (``save_wrapper``, or the
+        process executor's ``save`` that pickles the writer). Identity, not names: no reliance on
+        DCP's variable names. Called holding the lock."""
+        if not self._pending:
+            return None
+        staged = {id(entry[4]): entry for entry in self._pending}
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            for value in frame.f_locals.values():
+                entry = staged.get(id(value))
+                if entry is not None and entry[4] is value:
+                    return entry
+            frame = frame.f_back
+        return None
+
     def _claim_staged(self) -> _Staged | None:
         """The async save this thread runs: the entry ``stage()`` left for it, claimed at the
-        thread's first hook (``reset`` with a checkpoint_id, else ``storage_meta``), or None for a
-        save on the thread that staged (a synchronous one) or with nothing staged.
+        thread's first hook (``reset`` with a checkpoint_id, else ``storage_meta``), or None for any
+        other save (a synchronous one, on whatever thread) or with nothing staged.
 
-        First-in-first-out between the threads of async saves, never taken by the staging thread
-        itself: a synchronous ``dcp.save`` its caller starts while an async save's thread has not
-        reached the writer yet must not take that save's location and ticket. A new claim hands the
-        GIL back (:data:`HAND_BACK_S`): DCP starts this thread from inside ``async_save``, whose caller
-        then waits for the GIL to return to training while this thread plans holding it, up to a
-        switch interval (5 ms; 7% of the time async_save blocked for 5,000 small tensors)."""
+        A thread claims the entry whose staged dict its own stack holds (:meth:`_entry_on_stack`):
+        a synchronous ``dcp.save`` or a ``reset`` that another thread runs while an async save's
+        thread has not reached the writer yet takes nothing from it. A new claim hands the GIL back
+        (:data:`HAND_BACK_S`): DCP starts this thread from inside ``async_save``, whose caller then
+        waits for the GIL to return to training while this thread plans holding it, up to a switch
+        interval (5 ms; 7% of the time async_save blocked for 5,000 small tensors)."""
         me = threading.current_thread()
         with self._claims:
             mine = self._claimed.get(me.ident or 0)
             if mine is not None and mine[0] is me:
                 return mine[1]
-            if not self._pending or self._pending[0][3] == me.ident:
+            entry = self._entry_on_stack()
+            if entry is None:
                 return None
-            entry = self._pending.popleft()
+            self._pending.remove(entry)
             # Claims of finished threads (a save DCP failed between our hooks) go with them.
             self._claimed = {k: v for k, v in self._claimed.items() if v[0].is_alive()}
             self._claimed[me.ident or 0] = (me, entry)
@@ -366,7 +395,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         staged = self._claim_staged()
         if staged is not None:
-            ticket, location, world, _staged_by = staged
+            ticket, location, world, _staged_by, _dict = staged
             with self._claims:
                 self._claimed.pop(threading.get_ident(), None)
         else:  # a synchronous save (or PROCESS mode's background process)
