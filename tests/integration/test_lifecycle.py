@@ -426,6 +426,26 @@ def test_an_async_save_goes_where_its_own_thread_pointed(tmp_path: Path) -> None
     assert (_holds(tmp_path / "B"), _holds(tmp_path / "C")) == (1.0, None)
 
 
+def test_a_save_thread_never_inherits_a_failed_saves_location(tmp_path: Path) -> None:
+    # An async save with a checkpoint_id that DCP fails after our reset(X) leaves X's session under
+    # its thread's ident; the next save's thread usually gets the same ident (pthreads reuse it),
+    # and must still save where its own caller pointed, not at X.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Failing(DefaultSavePlanner):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("planner failed")
+
+    b, x = tmp_path / "B", tmp_path / "X"
+    writer = UCVolumeWriter(tmp_path / "unused")
+    dcp.save(_step(1), storage_writer=writer, checkpoint_id=b, no_dist=True)  # this thread points at B
+    failed = dcp.async_save(_step(2), storage_writer=writer, checkpoint_id=x, planner=Failing(), no_dist=True)
+    with pytest.raises(BaseException, match="planner failed"):
+        failed.result(timeout=60)
+    dcp.async_save(_step(3), storage_writer=writer, no_dist=True).result(timeout=60)
+    assert (_holds(b), _holds(x)) == (3.0, None)
+
+
 def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tmp_path / "A", tmp_path / "B"
     dcp.save(_big(1.0), storage_writer=UCVolumeWriter(a, file_size_bytes=256 << 10), no_dist=True)

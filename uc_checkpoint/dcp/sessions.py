@@ -71,22 +71,29 @@ class SessionOwner:
         options = {} if isinstance(location, Volume) else self._volume_options
         return self.session_type(location, options=options, fresh=fresh)
 
+    def _own_session(self) -> Session | None:
+        """The calling thread's session, if it has one. By thread, not by ident alone: a new thread
+        can get the ident of a finished one (an async save DCP failed after its reset), whose
+        session must not become the new thread's."""
+        entry = self._sessions.get(threading.get_ident())
+        return entry[1] if entry is not None and entry[0] is threading.current_thread() else None
+
     @property
     def _session(self) -> Session:
-        entry = self._sessions.get(threading.get_ident())
-        return entry[1] if entry is not None else self._idle
+        mine = self._own_session()
+        return mine if mine is not None else self._idle
 
     def _begin_session(self, location: str | Volume | None = None) -> Session:
         """The calling thread starts a save or load: a new session, unless ``reset(checkpoint_id)``
         just made one for it. Its location: ``location`` (where the caller stood when it asked
         for this save), else this thread's last one, else the object's."""
-        entry = self._sessions.get(threading.get_ident())
-        if entry is not None and entry[1].fresh:
-            entry[1].fresh = False
-            return entry[1]
+        mine = self._own_session()
+        if mine is not None and mine.fresh:
+            mine.fresh = False
+            return mine
         if location is None:
             # A thread's saves stay where its last reset(checkpoint_id) pointed, whatever other threads do.
-            location = entry[1].location if entry is not None else self._location
+            location = mine.location if mine is not None else self._location
         return self._new_session(location, fresh=False)
 
     def _new_session(self, location: str | Volume, *, fresh: bool) -> Session:
@@ -102,8 +109,8 @@ class SessionOwner:
         """``reset``'s common part: ``checkpoint_id`` (when given) becomes the location of this
         thread's next save or load (and of later ones that pass none, as with DCP's own storage
         classes); returns the fresh session."""
-        entry = self._sessions.get(threading.get_ident())
-        location = entry[1].location if entry is not None else self._location
+        mine = self._own_session()
+        location = mine.location if mine is not None else self._location
         if checkpoint_id:
             # The argument, not self._location: another thread may reset it at the same moment.
             location = os.fspath(checkpoint_id)

@@ -314,8 +314,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         me = threading.get_ident()
         # Where this thread's saves go: its last reset(checkpoint_id), as for its synchronous saves.
-        mine = self._sessions.get(me)
-        location = mine[1].location if mine is not None else self._location
+        mine = self._own_session()
+        location = mine.location if mine is not None else self._location
         with self._claims:
             self._drop_unclaimed(me)
             ticket = exit_guard.open_ticket(str(location), background=True)
