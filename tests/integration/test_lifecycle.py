@@ -433,7 +433,7 @@ def test_a_save_thread_never_inherits_a_failed_saves_location(tmp_path: Path) ->
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class Failing(DefaultSavePlanner):
-        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
             raise RuntimeError("planner failed")
 
     b, x = tmp_path / "B", tmp_path / "X"

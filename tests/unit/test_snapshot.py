@@ -154,9 +154,9 @@ def test_async_save_returns_before_its_thread_plans(tmp_path: Path, monkeypatch:
     planned_at: list[tuple[float, bool]] = []
 
     class RecordingPlanner(DefaultSavePlanner):
-        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
             planned_at.append((time.perf_counter(), threading.current_thread() is threading.main_thread()))
-            super().set_up_planner(*args, **kwargs)
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     sd = {"layer": {f"t{i}": torch.randn(64) for i in range(200)}, "step": 3}
     fut = dcp.async_save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"), planner=RecordingPlanner())
