@@ -691,25 +691,30 @@ def _child_lists(volume: S3Volume | None, answers: Any, where: tuple[str, str, s
     answers.put((volume.list_files(), id(volume.client)))
 
 
-def test_credentials_rotated_in_the_shared_file_give_a_new_client(
-    s3_server: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("which", ["credentials", "config"])
+def test_credentials_rotated_in_a_shared_file_give_a_new_client(
+    s3_server: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
     import os
 
-    creds = tmp_path / "credentials"
-    creds.write_text("[default]\naws_access_key_id = OLDKEY\naws_secret_access_key = s\n")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    shared = tmp_path / which
+    shared.write_text("[default]\naws_access_key_id = OLDKEY\naws_secret_access_key = s\n")
+    if which == "credentials":
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(shared))
+    else:
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(shared))
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(var, raising=False)
 
     def key_of(volume: S3Volume) -> str:
         return volume.client._request_signer._credentials.get_frozen_credentials().access_key
 
-    first = s3_volume(s3_server, s3_bucket, "rotate/1")
-    assert key_of(first) == "OLDKEY" and key_of(s3_volume(s3_server, s3_bucket, "rotate/2")) == "OLDKEY"
-    creds.write_text("[default]\naws_access_key_id = NEWKEY\naws_secret_access_key = s\n")
-    os.utime(creds, ns=(creds.stat().st_atime_ns, creds.stat().st_mtime_ns + 1_000_000_000))
-    assert key_of(s3_volume(s3_server, s3_bucket, "rotate/3")) == "NEWKEY"
+    first = s3_volume(s3_server, s3_bucket, f"rotate-{which}/1")
+    assert key_of(first) == "OLDKEY" and key_of(s3_volume(s3_server, s3_bucket, f"rotate-{which}/2")) == "OLDKEY"
+    shared.write_text("[default]\naws_access_key_id = NEWKEY\naws_secret_access_key = s\n")
+    os.utime(shared, ns=(shared.stat().st_atime_ns, shared.stat().st_mtime_ns + 1_000_000_000))
+    assert key_of(s3_volume(s3_server, s3_bucket, f"rotate-{which}/3")) == "NEWKEY"
 
 
 def test_small_targets_inside_a_large_ones_memory_and_adjacent_views(
@@ -733,24 +738,3 @@ def test_small_targets_inside_a_large_ones_memory_and_adjacent_views(
     assert torch.equal(buf[:512], x) and torch.equal(buf[512:], y)
     for half in (buf[:512], buf[512:]):
         assert (half.data_ptr(), half.numel() * 4) in volume.addresses
-
-
-def test_credentials_rotated_in_the_config_file_give_a_new_client(
-    s3_server: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import os
-
-    config = tmp_path / "config"
-    config.write_text("[default]\naws_access_key_id = CONFKEY1\naws_secret_access_key = s\n")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(var, raising=False)
-
-    def key_of(volume: S3Volume) -> str:
-        return volume.client._request_signer._credentials.get_frozen_credentials().access_key
-
-    assert key_of(s3_volume(s3_server, s3_bucket, "conf/1")) == "CONFKEY1"
-    config.write_text("[default]\naws_access_key_id = CONFKEY2\naws_secret_access_key = s\n")
-    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1_000_000_000))
-    assert key_of(s3_volume(s3_server, s3_bucket, "conf/2")) == "CONFKEY2"
