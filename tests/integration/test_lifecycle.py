@@ -446,6 +446,27 @@ def test_a_save_thread_never_inherits_a_failed_saves_location(tmp_path: Path) ->
     assert (_holds(b), _holds(x)) == (3.0, None)
 
 
+def test_an_async_save_goes_where_the_writer_pointed_when_it_was_called(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another thread's reset while this save's state is being copied must not move this save.
+    from uc_checkpoint.dcp import writer as writer_module
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    writer = UCVolumeWriter(a)
+    real = writer_module.cpu_snapshot
+
+    def copy_while_another_thread_resets(state: Any) -> Any:
+        other = threading.Thread(target=writer.reset, args=(b,))
+        other.start()
+        other.join(timeout=60)
+        return real(state)
+
+    monkeypatch.setattr(writer_module, "cpu_snapshot", copy_while_another_thread_resets)
+    dcp.async_save(_step(1), storage_writer=writer, no_dist=True).result(timeout=60)
+    assert (_holds(a), _holds(b)) == (1.0, None)
+
+
 def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tmp_path / "A", tmp_path / "B"
     dcp.save(_big(1.0), storage_writer=UCVolumeWriter(a, file_size_bytes=256 << 10), no_dist=True)

@@ -305,6 +305,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         stager copies a DTensor's shard twice); falls back to DCP's stager for a ``ShardedTensor`` or
         another tensor subclass (other than DTensor and Parameter)."""
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
+        # Where this thread's saves go, as async_save was called: its last reset(checkpoint_id), as
+        # for its synchronous saves, else the writer's; taken before the copy, during which another
+        # thread's reset may move the writer.
+        mine = self._own_session()
+        location = mine.location if mine is not None else self._location
         try:
             staged = cpu_snapshot(state_dict)
         except UnsupportedSnapshot as exc:
@@ -313,9 +318,6 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # The save's thread does not exist yet: an exit right after async_save must still wait.
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         me = threading.get_ident()
-        # Where this thread's saves go: its last reset(checkpoint_id), as for its synchronous saves.
-        mine = self._own_session()
-        location = mine.location if mine is not None else self._location
         with self._claims:
             self._drop_unclaimed(me)
             ticket = exit_guard.open_ticket(str(location), background=True)
