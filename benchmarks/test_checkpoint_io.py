@@ -85,3 +85,25 @@ def test_case_saves_loads_and_verifies(benchmark, bench_env, name: str) -> None:
             assert result["load_s"] > 0
     last = runs[-1][0]
     benchmark.extra_info.update({k: v for k, v in last.items() if isinstance(v, (int, float))})
+
+
+def test_timed_phase_starts_its_clock_after_the_page_cache_drop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every timed phase runs from the same page-cache state (benchmarks/case.py's docstring): the
+    drop happens first and is not part of the phase's time."""
+    import time
+
+    from benchmarks import case
+
+    drops: list[float] = []
+
+    def slow_drop() -> None:
+        drops.append(time.perf_counter())
+        time.sleep(0.2)
+
+    monkeypatch.setattr(case, "_drop_page_cache", slow_drop)
+    out: dict = {}
+    with case._timed(out, "naive_save"):
+        inside = time.perf_counter()
+    assert len(drops) == 1 and drops[0] < inside
+    assert 0 <= out["naive_save_s"] < 0.2
+    assert out["naive_save_cpu_s"] >= 0
