@@ -30,7 +30,7 @@ clients and connections are built once): the boto3 case times its naive path aft
 untimed staging save and transfers.
 
 Every case first times a plain in-memory copy of the state dict (the floor for any async save's
-blocked time; the second of two copies, see ``_timed_copy``). Save cases then measure, in this order:
+blocked time). Save cases then measure, in this order:
 
 0. an untimed ``dcp.save`` to ``<dest>-warmup`` (see above);
 1. a synchronous ``dcp.save`` to ``<dest>-sync``: peak extra memory (VmHWM above the RSS before the
@@ -41,12 +41,16 @@ blocked time; the second of two copies, see ``_timed_copy``). Save cases then me
 3. ``dcp.load`` into zeros: ``load_s``, and the loaded state is compared with what was saved,
    tensor by tensor (a mismatch fails the case).
 
-Every timed phase of every case (the copy, each save, upload, download and load) starts right after the page
-cache is dropped (when root; ``_drop_page_cache``), so all of them write and read under the same
-kernel memory state. That matters here: on this VM, a write into the page cache that no drop
-preceded cost about twice the CPU, in the writing client and in the store alike (measured on
-localbucket, 242 MiB: store 0.85 against 0.46 CPU-s, the naive path's client 1.0 against 0.7), and
-the harness once dropped it before the naive save (through its download) but not before ours.
+Every save, upload, download and load phase of every case starts right after the page cache is
+dropped (when root; ``_drop_page_cache``), so all of them write and read under the same kernel
+memory state. That matters here: on this VM, a write into the page cache that no drop preceded cost
+about twice the CPU, in the writing client and in the store alike (measured on localbucket, 242 MiB:
+store 0.85 against 0.46 CPU-s, the naive path's client 1.0 against 0.7), and the harness once
+dropped it before the naive save (through its download) but not before ours. The in-memory copy and
+the async save (whose blocked time is compared with that copy) time memory copies, not I/O, and run
+without a drop: after one, a copy into new memory took either its usual time or about half, at
+random (256 MiB: 0.026 or 0.059 s), and a process's first copy read torch's copy code back from disk
+(12 major faults, ~50 ms for 32 MiB).
 """
 
 from __future__ import annotations
@@ -192,12 +196,6 @@ def _reader(case: str, dest: str) -> Any:
 
 
 def _timed_copy(sd: Any) -> float:
-    # Once untimed first: right after the page-cache drop, a process's first clone reads torch's
-    # copy code back from disk (12 major faults; ~50 ms for 32 MiB against 7 ms warm).
-    del_me = state.cpu_copy(sd)
-    del del_me
-    gc.collect()
-    _settle()  # as before the async save it is the floor of
     t0 = time.perf_counter()
     copy = state.cpu_copy(sd)
     elapsed = time.perf_counter() - t0
@@ -230,8 +228,10 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
         dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-sync"), planner=_planner(args.case))
     out["sync_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 
-    # 2. async save: blocked time and time until .metadata is on the volume
-    _settle()
+    # 2. async save: blocked time and time until .metadata is on the volume. No page-cache drop
+    # before it (nor before the copy it is compared with), see the module docstring.
+    if dist.is_initialized():
+        dist.barrier()
     probe = _exists(args.visible) if rank == 0 else None
     gc.collect()
     base = rss_kib("VmRSS")
