@@ -41,8 +41,8 @@ blocked time). Save cases then measure, in this order:
 3. ``dcp.load`` into zeros: ``load_s``, and the loaded state is compared with what was saved,
    tensor by tensor (a mismatch fails the case).
 
-Every save, upload, download and load phase of every case starts right after the page cache is
-dropped (when root; ``_drop_page_cache``), so all of them write and read under the same kernel
+Every save, upload, download and load phase of every case (not the async save, below) starts
+right after the page cache is dropped (when root; ``_drop_page_cache``), so all of them write and read under the same kernel
 memory state. That matters here: on this VM, a write into the page cache that no drop preceded cost
 about twice the CPU, in the writing client and in the store alike (measured on localbucket, 242 MiB:
 store 0.85 against 0.46 CPU-s, the naive path's client 1.0 against 0.7), and the harness once
@@ -89,7 +89,7 @@ def _drop_page_cache() -> None:
         with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
             f.write("3")
     except OSError:
-        pass  # not root: loads may be served from the page cache; the report says which
+        pass  # not root: phases then run from whatever the page cache holds
 
 
 def _settle() -> None:
