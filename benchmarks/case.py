@@ -42,8 +42,8 @@ blocked time). Save cases then measure, in this order:
    tensor by tensor (a mismatch fails the case).
 
 Every save, upload, download and load phase of every case (not the async save, below) starts
-right after the page cache is dropped (when root; ``_drop_page_cache``), so all of them write and read under the same kernel
-memory state. That matters here: on this VM, a write into the page cache that no drop preceded cost
+right after the page cache is dropped (when root; ``_drop_page_cache``), so all of them write and
+read under the same kernel memory state. That matters here: on this VM, a write into the page cache that no drop preceded cost
 about twice the CPU, in the writing client and in the store alike (measured on localbucket, 242 MiB:
 store 0.85 against 0.46 CPU-s, the naive path's client 1.0 against 0.7), and the harness once
 dropped it before the naive save (through its download) but not before ours. The in-memory copy and
