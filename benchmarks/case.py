@@ -92,29 +92,19 @@ def _drop_page_cache() -> None:
         pass  # not root: phases then run from whatever the page cache holds
 
 
-def _settle() -> None:
-    """Before a timed phase: drop the page cache (see the module docstring), then wait for every rank."""
-    _drop_page_cache()
-    if dist.is_initialized():
-        dist.barrier()
-
-
 @contextmanager
 def _timed(out: dict[str, Any], name: str) -> Iterator[None]:
     """Time the body as phase ``name``: ``out[name + "_s"]`` (wall), ``name + "_cpu_s"`` (this
-    process) and ``name + "_store_cpu_s"`` (the S3 server, when named). The clock starts after
-    :func:`_settle`, so every phase runs from the same page-cache state."""
-    _settle()
+    process) and ``name + "_store_cpu_s"`` (the S3 server, when named). The clock starts once the
+    page cache is dropped and every rank is there, so every phase runs from the same page-cache
+    state (see the module docstring)."""
+    _drop_page_cache()
+    if dist.is_initialized():
+        dist.barrier()
     t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
     yield
     out[f"{name}_s"], out[f"{name}_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
     _put_store_cpu(out, f"{name}_store_cpu_s", s0)
-
-
-def _wait_saved(fut: Any) -> None:
-    """Wait until an ``async_save`` has finished, uploads included (DCP's future, or the
-    ``upload_completion`` of an ``AsyncSaveResponse``)."""
-    (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
 
 
 def _exists(url: str) -> Callable[[], bool]:
@@ -248,7 +238,7 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
                 raise fut.exception()  # type: ignore[misc]
             time.sleep(POLL_S)
         out["publish_s"] = time.perf_counter() - t0
-    _wait_saved(fut)
+    (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()  # uploads included
     out["async_done_s"] = time.perf_counter() - t0
     out["async_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 

@@ -30,7 +30,8 @@ threads of this process). The direct-S3 cases (the headline rows: ``uc-s3`` and 
 in the ``bench`` extra: a small disk-backed S3 server, several times moto's download speed), started
 as a process of its own on a free port with a data root under the scratch directory, so that the
 store's limits can be told apart from the clients' costs. localbucket rejects keys ending in "/", so
-s3fs-fuse cannot mount it: the FUSE cases run on moto only. Each result carries its ``store``; the report has a section per store.
+s3fs-fuse cannot mount it: the FUSE cases run on moto only. Each result carries its ``store``; the
+report has a section per store.
 
 Store CPU: ``store_cpu_s`` is the S3 server's user + system CPU over the whole case run (moto: this
 process's own ``os.times()``, as moto runs in it and this process only waits meanwhile; localbucket:
