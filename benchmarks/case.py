@@ -23,16 +23,24 @@ over each timed call; the S3 server runs in another process (moto as threads of 
 localbucket on its own), so its CPU is not counted there. ``*_store_cpu_s`` fields are the S3
 server's CPU over the same calls (user + system seconds of the process whose pid the runner passes in
 ``UC_BENCH_STORE_PID``; in a multi-rank run every rank reads the same server over about the same
-window, so the report takes the largest rank's figure, not their sum). Every
-case runs one untimed save of the same state first (step 0 below), so the figures are a running
-job's, not its first save's (botocore reads its service models once per process, ~0.1 s of CPU;
-clients and connections are built once): the boto3 case times its naive path after its own
-untimed staging save and transfers.
+window, so the report takes the largest rank's figure, not their sum).
+
+Every case first runs each kind of transfer it times once, untimed (step 0 below; the boto3 case
+its upload, its download and both halves of the naive path), so that the figures are a running
+job's, with its code and clients warm, not a cold process's: botocore reads its service models
+once per process (~0.1 s of CPU), clients and connections are built once, and after the page-cache
+drop before each phase (below) the first run of code the process has not run yet reads it back from
+disk, up to 8 MiB per page fault with this VM's readahead (measured: a process's first load after a
+drop read 11.4 MB in 3 major faults, 10-15 ms at 32 MiB, while raw boto3's download, timed after
+its own upload, read 0.15 MB). The async save has no warm-up of its own: it is compared with the
+in-memory copy, timed first thing in the process on fresh memory, and a warm-up async save would
+leave freed staging memory for the timed one to reuse (a copy into reused memory takes about half
+the time).
 
 Every case first times a plain in-memory copy of the state dict (the floor for any async save's
 blocked time). Save cases then measure, in this order:
 
-0. an untimed ``dcp.save`` to ``<dest>-warmup`` (see above);
+0. an untimed ``dcp.save`` to ``<dest>-warmup`` (see above; its untimed load comes before step 3);
 1. a synchronous ``dcp.save`` to ``<dest>-sync``: peak extra memory (VmHWM above the RSS before the
    save; ``/proc/self/clear_refs`` resets the high-water mark) with no staging copy involved;
 2. ``dcp.async_save`` (THREAD) to ``<dest>``: ``blocked_s`` (until async_save returns: training is
@@ -59,6 +67,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -206,9 +215,8 @@ def _planner(case: str) -> Any:
 
 def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    # 0. one untimed save of the same state elsewhere: what a running job's save costs is its Nth
-    # save's (clients, connections and code paths warm), and the boto3 case's naive path is timed
-    # after that process's own untimed save and transfers.
+    # 0. one untimed save of the same state elsewhere (its load comes in 3): clients, connections
+    # and code paths warm, as run_boto3 warms its transfers (see the module docstring).
     dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-warmup"), planner=_planner(args.case))
     # 1. synchronous save: memory without a staging copy
     gc.collect()
@@ -242,9 +250,14 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     out["async_done_s"] = time.perf_counter() - t0
     out["async_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 
-    # 3. load into zeros and compare
+    # 3. load into zeros and compare, after an untimed load of step 0's checkpoint (not before the
+    # saves: its freed memory would serve their allocations, not the in-memory copy's)
     if dist.is_initialized():
         dist.barrier()
+    dcp.load(
+        state.build(args.kind, args.size_mb << 20, mesh, zeros=True),
+        storage_reader=_reader(args.case, args.dest + "-warmup"),
+    )
     target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
     gc.collect()
     base = rss_kib("VmRSS")
@@ -307,6 +320,12 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         files = sorted(p for p in src.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
         out["file_bytes"] = sum(p.stat().st_size for p in files)
         out["files"] = len(files)
+        # Untimed, as every case's step 0: each transfer and each half of the naive path once.
+        upload(files, f"{prefix}-warmup")
+        download(files, f"{prefix}-warmup", Path(tmp) / f"warm{rank}")
+        shutil.rmtree(Path(tmp) / f"warm{rank}")
+        warm = str(Path(tmp) / "naive-warmup")  # all ranks', as the naive path's below
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(warm, thread_count=max(1, len(files))))
         with _timed(out, "upload"):
             upload(files, prefix)
         with _timed(out, "download"):
@@ -327,6 +346,9 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
                 client.upload_file(str(naive / ".metadata"), bucket, f"{naive_prefix}/.metadata")
             barrier()
         local = Path(tmp) / "naive-dst"
+        dcp.load(
+            state.build(args.kind, args.size_mb << 20, mesh, zeros=True), storage_reader=dcp.FileSystemReader(warm)
+        )
         target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
         with _timed(out, "naive_load"):
             download(naive_files, naive_prefix, local)

@@ -166,3 +166,33 @@ def test_async_save_returns_before_its_thread_plans(tmp_path: Path, monkeypatch:
     ((planned, on_main),) = planned_at
     assert not on_main  # planned on the save's own thread
     assert returned_at < planned
+
+
+def test_async_save_returns_before_dcps_own_set_up_on_its_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's save thread runs its own set-up (logging, storage set-up, state-dict walk) before the
+    writer's ``storage_meta``, holding the GIL while the caller of async_save waits for it. The
+    writer hands the GIL back at the first thing that thread reads, ``checkpoint_id`` (DCP's
+    logger), so async_save has returned before ``storage_meta`` is even called."""
+    import time
+
+    import uc_checkpoint.dcp.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "HAND_BACK_S", 0.2)  # generous: see the test above
+    entered: list[float] = []
+
+    class RecordingWriter(UCVolumeWriter):
+        def storage_meta(self) -> Any:
+            entered.append(time.perf_counter())  # before the writer's own hook runs
+            return super().storage_meta()
+
+    sd = {"layer": {f"t{i}": torch.randn(64) for i in range(20)}, "step": 3}
+    fut = dcp.async_save(sd, storage_writer=RecordingWriter(tmp_path / "ckpt"))
+    returned_at = time.perf_counter()
+    fut.result(timeout=120)
+
+    assert entered and returned_at < entered[0]
+    target = {"layer": {f"t{i}": torch.zeros(64) for i in range(20)}, "step": 0}
+    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
+    assert torch.equal(target["layer"]["t7"], sd["layer"]["t7"]) and target["step"] == 3

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -292,6 +293,39 @@ def test_corrupt_metadata(saved: tuple[Path, dict]) -> None:
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
     err = load_error(dest, sd)
     assert isinstance(err, CorruptCheckpointError) and str(meta) in str(err)
+
+
+@pytest.mark.parametrize("prefetch_files", [False, True], ids=["ranges", "whole-files"])
+def test_a_load_fetches_the_largest_ranges_first(tmp_path: Path, staging: Path, prefetch_files: bool) -> None:
+    """Largest first (LPT): the long transfers start first and the short ones fill in around them.
+    With one worker the reads run in the order the reader queues them."""
+    reads: list[str] = []
+
+    class RecordingVolume(LocalVolume):
+        def read_range_into(self, name: str, start: int, out: Any) -> None:
+            reads.append(name)
+            super().read_range_into(name, start, out)
+
+        def download_file(self, name: str, local_path: Path, **kwargs: Any) -> FileRecord:
+            reads.append(name)
+            return super().download_file(name, local_path, **kwargs)
+
+    # Names in the opposite order to the sizes: DCP plans items by name.
+    sd = {"a_small": torch.randn(1 << 8), "b_mid": torch.randn(1 << 17), "c_big": torch.randn(1 << 20)}
+    dcp.save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt", staging_dir=staging, thread_count=3), no_dist=True)
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "ckpt").glob("*.distcp")}
+    assert len(sizes) == 3  # one tensor per file
+
+    target = empty_like_state_dict(sd)
+    reader = UCVolumeReader(
+        RecordingVolume(str(tmp_path / "ckpt")),
+        staging_dir=staging,
+        download_workers=1,
+        prefetch_files=prefetch_files,
+    )
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert_state_dict_equal(target, sd)
+    assert list(dict.fromkeys(reads)) == sorted(sizes, key=lambda name: sizes[name], reverse=True)
 
 
 def test_partial_load_fetches_only_needed_files(saved: tuple[Path, dict]) -> None:

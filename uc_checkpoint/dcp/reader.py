@@ -249,16 +249,21 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             transforms=getattr(self, "transforms", None),
             check_archive_crc=not load.records and self.verify_checksums,
         )
+        # What each file holds: its recorded size, else the bytes its items need.
+        sizes = {**load.min_sizes, **{name: rec.size for name, rec in load.records.items()}}
         if ranged:
             # Only the byte ranges the plan needs, widened to checksum blocks when verifying.
             records = load.records if self.verify_checksums else {}
             requests = plan_ranges(
                 items.spans(plan.items),
-                file_sizes={**load.min_sizes, **{name: rec.size for name, rec in load.records.items()}},
+                file_sizes=sizes,
                 block_sizes={name: rec.block_size for name, rec in records.items()},
                 gap_bytes=self.range_gap_bytes,
                 max_range_bytes=max(DEFAULT_MAX_RANGE_BYTES, self.range_chunk_bytes),
             )
+            # Largest first (LPT scheduling, Graham 1969): the long transfers start while the pool
+            # is still starting up, and the short ones fill in around them, so the last one ends sooner.
+            requests.sort(key=lambda req: req.nbytes, reverse=True)
             items.place(plan.items)  # large tensors' bytes go straight into their targets
             stats = fetch_ranges(
                 volume,
@@ -273,6 +278,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             )
         else:
             per_file = items.by_file(plan.items)
+            per_file = dict(sorted(per_file.items(), key=lambda kv: sizes.get(kv[0], 0), reverse=True))  # as above
             stats = fetch_files(
                 volume,
                 per_file,
