@@ -277,8 +277,8 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
                 thread_name=f"uc-range-r{rank}",
             )
         else:
-            per_file = items.by_file(plan.items)
-            per_file = dict(sorted(per_file.items(), key=lambda kv: sizes.get(kv[0], 0), reverse=True))  # as above
+            by_file = items.by_file(plan.items).items()  # largest first, as above
+            per_file = dict(sorted(by_file, key=lambda kv: sizes.get(kv[0], 0), reverse=True))
             stats = fetch_files(
                 volume,
                 per_file,

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +94,22 @@ __all__ = ["AUTO_FILES_PER_RANK", "MAX_AUTO_FILE_SIZE", "MIN_AUTO_FILE_SIZE", "U
 
 def _new_token() -> str:
     return uuid.uuid4().hex[:8]
+
+
+def _on_stack(entries: Iterable[_Staged]) -> _Staged | None:
+    """The one of ``entries`` whose staged dict a frame of the calling thread holds, or None.
+    Identity, not names: no reliance on DCP's variable names."""
+    staged = {id(entry[4]): entry for entry in entries}
+    if not staged:
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            entry = staged.get(id(value))
+            if entry is not None and entry[4] is value:
+                return entry
+        frame = frame.f_back
+    return None
 
 
 @dataclass
@@ -357,19 +373,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     def _entry_on_stack(self) -> _Staged | None:
         """The pending entry whose staged dict a frame of the calling thread holds: DCP's async
         save thread passes the dict ``stage()`` returned down its stack (``save_wrapper``, or the
-        process executor's ``save`` that pickles the writer). Identity, not names: no reliance on
-        DCP's variable names. Called holding the lock."""
-        if not self._pending:
-            return None
-        staged = {id(entry[4]): entry for entry in self._pending}
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            for value in frame.f_locals.values():
-                entry = staged.get(id(value))
-                if entry is not None and entry[4] is value:
-                    return entry
-            frame = frame.f_back
-        return None
+        process executor's ``save`` that pickles the writer). Called holding the lock."""
+        return _on_stack(self._pending)
 
     def _claimed_on_stack(self) -> _Staged | None:
         """The calling thread's claimed entry, not yet set up, whose staged dict a frame of this
@@ -377,16 +382,10 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         holding the lock."""
         me = threading.current_thread()
         mine = self._claimed.get(me.ident or 0)
-        if mine is None or mine[0] is not me:
+        if mine is None or mine[0] is not me or _on_stack([mine[1]]) is None:
             return None
-        staged = mine[1][4]
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            if any(value is staged for value in frame.f_locals.values()):
-                del self._claimed[me.ident or 0]
-                return mine[1]
-            frame = frame.f_back
-        return None
+        del self._claimed[me.ident or 0]
+        return mine[1]
 
     def _claim_staged(self) -> _Staged | None:
         """The async save this thread runs: the entry ``stage()`` left for it, claimed at the
