@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import sys
@@ -331,6 +332,61 @@ def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
     assert (tmp_path / "B" / ".metadata").is_file() and not (tmp_path / "A" / ".metadata").exists()
     stale = [t for t in exit_guard._GUARD._tickets if not t.over() and str(tmp_path / "A") in t.what]
     assert not stale
+
+
+def _open_tickets(where: Path) -> list[Any]:
+    """Exit tickets for ``where`` not yet ended (ended, not over: a ticket also counts as over when
+    no thread runs it or from its own thread)."""
+    from uc_checkpoint.dcp import exit_guard
+
+    return [t for t in exit_guard._GUARD._tickets if not t._ended.is_set() and str(where) in t.what]
+
+
+@pytest.mark.parametrize("hand_over", [pickle.dumps, copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_a_save_taken_at_checkpoint_id_ends_when_its_thread_hands_the_writer_over(
+    tmp_path: Path, hand_over: Any
+) -> None:
+    # DCP's PROCESS executor reads checkpoint_id on its thread (which claims the staged save there)
+    # and then pickles the writer for its background process: that hand-over ends the save here.
+    writer = UCVolumeWriter(tmp_path / "A")
+    staged = writer.stage({"w": torch.ones(16)})
+    seen: list[Any] = []
+
+    def executor_thread(staging_future_or_state_dict: Any = staged) -> None:
+        assert writer.checkpoint_id.endswith("A")  # DCP's logger, first thing
+        seen.append(len(_open_tickets(tmp_path / "A")))
+        hand_over(writer)
+        seen.append(len(_open_tickets(tmp_path / "A")))  # this thread still alive: ended, not died
+        seen.append(dict(writer._claimed))
+
+    thread = threading.Thread(target=executor_thread)
+    thread.start()
+    thread.join(timeout=60)
+    assert seen == [1, 0, {}]
+    assert not writer._pending
+
+
+@pytest.mark.parametrize("reader", ["main", "other thread"])
+def test_reading_checkpoint_id_without_the_staged_dict_takes_no_save(tmp_path: Path, reader: str) -> None:
+    # Any thread may read checkpoint_id (DCP's logger on the caller's own thread, user code): only
+    # the thread that holds the staged dict on its stack takes the save, and a pickle by another
+    # thread ends nothing.
+    writer = UCVolumeWriter(tmp_path / "A")
+    writer.stage({"w": torch.ones(16)})
+
+    def read_and_pickle() -> None:
+        assert writer.checkpoint_id.endswith("A")
+        pickle.dumps(writer)
+
+    if reader == "main":
+        read_and_pickle()
+    else:
+        thread = threading.Thread(target=read_and_pickle)
+        thread.start()
+        thread.join(timeout=60)
+    assert len(writer._pending) == 1 and not writer._claimed
+    assert len(_open_tickets(tmp_path / "A")) == 1
+    writer._pending.popleft()[0].end()  # no save thread will come for it
 
 
 @pytest.fixture
