@@ -181,6 +181,12 @@ def cost_targets(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> 
 
     u, n = uc or {}, b or {}
     add(
+        "async_save blocked time vs an in-memory copy (synchronous staging)",
+        "<= 1.1x",
+        ratio(u.get("blocked_s"), u.get("memcopy_s")),
+        lambda v: v <= 1.1,
+    )
+    add(
         "save client CPU vs the naive staged path",
         "<= 1.0x",
         ratio(u.get("sync_save_cpu_s"), n.get("naive_save_cpu_s")),

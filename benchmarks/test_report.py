@@ -283,6 +283,16 @@ def test_cost_targets_follow_the_issues_rules_by_size() -> None:
     assert small["sync save time vs the naive staged path (fixed per-save costs)"] == ("1.50x", False)
 
 
+@pytest.mark.parametrize(("blocked_s", "shown", "met"), [(0.11, "1.10x", True), (0.146, "1.46x", False)])
+def test_cost_targets_judge_the_async_blocked_time_by_issue_16s_bound(blocked_s: float, shown: str, met: bool) -> None:
+    # The older targets table keeps its 1.5x bound; issue 16 asks for 1.1x the in-memory copy.
+    m = medians(_costs(32, uc_save=0.3, naive_save=0.2))
+    combo = ("gpt", 32, 1, "moto")
+    m[(combo, "uc-s3")]["blocked_s"] = blocked_s  # memcopy_s: 0.1
+    rows = {label: (want, got, ok) for label, want, got, ok in cost_targets(m, combo)}
+    assert rows["async_save blocked time vs an in-memory copy (synchronous staging)"] == ("<= 1.1x", shown, met)
+
+
 def test_a_ratio_is_judged_as_shown() -> None:
     # The same CPU measured twice, with float noise: 0.030000000000000027 / 0.029999999999999805 is
     # 1.0000000000000074, shown as 1.00x, and must meet "<= 1.0x".
