@@ -8,6 +8,8 @@ Cases (``--case``):
 
 * ``uc``: ``UCVolumeWriter`` / ``UCVolumeReader`` (``--dest`` a path, FUSE path or URL).
 * ``fs``: DCP's stock ``FileSystemWriter`` / ``FileSystemReader`` on a path (local disk or a mount).
+* ``floor``: :class:`CopyOnlyWriter` on a local path: DCP's floor for ``async_save``'s blocked time
+  (``stage()`` is only the in-memory copy); its other figures are a local save's.
 * ``fsspec``: DCP's ``FsspecWriter`` / ``FsspecReader`` (needs the ``s3fs`` Python package for s3://).
 * ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (needs that package).
 * ``boto3``: the store's limit: the data files our writer makes (the same object layout, staged to
@@ -68,6 +70,7 @@ import gc
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -135,7 +138,34 @@ def _exists(url: str) -> Callable[[], bool]:
     return lambda: os.path.exists(url)
 
 
+class CopyOnlyWriter(dcp.FileSystemWriter):
+    """DCP's floor for the time ``dcp.async_save`` blocks training with synchronous staging: a
+    ``FileSystemWriter`` (to local disk) whose ``stage()`` is exactly the in-memory copy the report
+    compares with (:func:`benchmarks.state.cpu_copy`) and whose save thread hands the GIL back at its
+    first call into the writer, as ours does. What it blocks beyond the copy is DCP's own: its work
+    in ``async_save`` before and after ``stage()``, and starting the save's thread."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handed_over = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
+        return state.cpu_copy(state_dict)
+
+    @property
+    def checkpoint_id(self) -> Any:
+        # DCP's first read on the save's thread (its logger): let the caller have the GIL, as
+        # UCVolumeWriter does at the same point, so the floor is not this thread's Python work.
+        if not self._handed_over and threading.current_thread() is not threading.main_thread():
+            self._handed_over = True
+            time.sleep(0.001)
+        return super().checkpoint_id
+
+
 def _writer(case: str, dest: str) -> Any:
+    if case == "floor":
+        return CopyOnlyWriter(dest)
     if case == "uc":
         from uc_checkpoint import UCVolumeWriter
 
@@ -179,7 +209,7 @@ def _reader(case: str, dest: str) -> Any:
         from uc_checkpoint import UCVolumeReader
 
         return UCVolumeReader(dest)
-    if case == "fs":
+    if case in ("fs", "floor"):
         return dcp.FileSystemReader(dest)
     if case == "fsspec":
         from torch.distributed.checkpoint import FsspecReader
@@ -364,7 +394,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.case", description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", required=True, choices=("uc", "uc-unsigned", "fs", "fsspec", "s3tc", "boto3"))
+    p.add_argument("--case", required=True, choices=("uc", "uc-unsigned", "fs", "floor", "fsspec", "s3tc", "boto3"))
     p.add_argument("--dest", required=True, help="checkpoint location (path or URL)")
     p.add_argument("--visible", help="the .metadata object/file on the volume itself (s3://... or a path)")
     p.add_argument("--kind", default="gpt", choices=("gpt", "small"))

@@ -22,6 +22,9 @@ repeat by repeat so that drift on the machine hits them alike:
 ``fsspec-s3``       DCP's FsspecWriter/Reader to ``s3://`` (when the ``s3fs`` Python package imports)
 ``s3tc``            s3torchconnector's S3StorageWriter/Reader (when it imports)
 ``boto3``           raw boto3 upload/download of the same bytes (the store's limit)
+``dcp-floor``       DCP's own floor for an async save's blocked time: a FileSystemWriter to local
+                    disk whose ``stage()`` is only the in-memory copy (``benchmarks.case``); run on
+                    every store, so each section sets ours beside it in the same run
 ==================  ===========================================================================
 
 Stores (``--stores``): every case runs against ``moto`` (the S3 server above, objects in memory,
@@ -81,9 +84,15 @@ CASES = (
     "fsspec-s3",
     "s3tc",
     "boto3",
+    "dcp-floor",
 )
 #: The cases that talk S3 directly (no FUSE mount, no local disk): the ones run on every store.
 DIRECT_CASES = ("uc-s3", "uc-s3-unsigned", "fsspec-s3", "s3tc", "boto3")
+#: Cases that use no store at all (local disk only), also run on every store: a figure each
+#: store's section compares ours with.
+STORELESS_CASES = ("dcp-floor",)
+#: The cases run against localbucket too (every other case runs on moto only).
+EVERY_STORE_CASES = DIRECT_CASES + STORELESS_CASES
 STORES = ("moto", "localbucket")
 # The fake credentials every case uses (neither server checks them); a developer's session token or
 # profile must not mix with them.
@@ -125,6 +134,8 @@ def case_plan(name: str, run_id: str, dirs: dict[str, Path]) -> tuple[str, str, 
         return "s3tc", f"s3://{DIRECT_BUCKET}/{run_id}/s3tc", f"s3://{DIRECT_BUCKET}/{run_id}/s3tc/.metadata"
     if name == "boto3":
         return "boto3", f"s3://{DIRECT_BUCKET}/{run_id}/raw", ""
+    if name == "dcp-floor":
+        return "floor", str(dirs["local"] / run_id / "floor"), str(dirs["local"] / run_id / "floor" / ".metadata")
     kind, where = name.split("-")
     sub = f"{run_id}/{kind}"
     if where == "s3fs":
@@ -206,7 +217,7 @@ def _clean_case(name: str, run_id: str, dirs: dict[str, Path], env: dict[str, st
     from .mounts import s3_client
 
     client = s3_client(env["AWS_ENDPOINT_URL"])
-    for bucket in (DIRECT_BUCKET, FUSE_BUCKET) if name not in DIRECT_CASES else (DIRECT_BUCKET,):
+    for bucket in (DIRECT_BUCKET, FUSE_BUCKET) if name not in EVERY_STORE_CASES else (DIRECT_BUCKET,):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{run_id}/"):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys and store == "localbucket":
@@ -294,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=STORES,
         help="S3 servers to run against (default: both when localbucket imports, else moto); "
-        f"on localbucket only the direct-S3 cases run ({', '.join(DIRECT_CASES)})",
+        f"on localbucket only the direct-S3 and store-less cases run ({', '.join(EVERY_STORE_CASES)})",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take")
     p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"))
@@ -333,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if store_note:
         log.info("%s", store_note)
     # FUSE mounts (and their tools) only for the cases that use them, which run on moto only.
-    fuse = "moto" in stores and any(c not in DIRECT_CASES for c in cases)
+    fuse = "moto" in stores and any(c not in EVERY_STORE_CASES for c in cases)
     if fuse:
         ensure_fuse_tools()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="uc-bench-"))
@@ -361,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, size_mb in sets:
                 for ranks in args.ranks:
                     for store in stores:
-                        for name in (c for c in cases if store == "moto" or c in DIRECT_CASES):
+                        for name in (c for c in cases if store == "moto" or c in EVERY_STORE_CASES):
                             log.info(
                                 "repeat %d/%d: %s on %s, %s %d MiB, %d rank(s)",
                                 repeat + 1,

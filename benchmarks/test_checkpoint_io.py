@@ -22,7 +22,7 @@ from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, case_env, run_case
 QUICK = bool(os.environ.get("UC_BENCH_QUICK"))
 MB = 8 if QUICK else int(os.environ.get("UC_BENCH_MB", "64"))
 FUSE_CASES = ("uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs")
-CASES = ("uc-s3", "uc-s3-unsigned", "fs-local", "s3tc", "boto3", *FUSE_CASES)
+CASES = ("uc-s3", "uc-s3-unsigned", "fs-local", "s3tc", "boto3", "dcp-floor", *FUSE_CASES)
 
 
 def _fuse_problem() -> str | None:
@@ -85,6 +85,26 @@ def test_case_saves_loads_and_verifies(benchmark, bench_env, name: str) -> None:
             assert result["load_s"] > 0
     last = runs[-1][0]
     benchmark.extra_info.update({k: v for k, v in last.items() if isinstance(v, (int, float))})
+
+
+def test_the_floor_writer_stages_only_a_copy_and_saves_what_it_copied(tmp_path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from benchmarks.case import CopyOnlyWriter
+
+    sd = {"model": {"w": torch.arange(10.0)}, "step": 3}
+    staged = CopyOnlyWriter(str(tmp_path / "probe")).stage(sd)
+    assert torch.equal(staged["model"]["w"], sd["model"]["w"])
+    assert staged["model"]["w"].data_ptr() != sd["model"]["w"].data_ptr()  # a copy, not a view
+    writer = CopyOnlyWriter(str(tmp_path / "ckpt"))
+    fut = dcp.async_save(sd, storage_writer=writer)
+    sd["model"]["w"].add_(1)  # once async_save returned, training may change the state
+    fut.result()
+    assert writer._handed_over  # the save's thread went through the GIL hand-over
+    out = {"model": {"w": torch.zeros(10)}, "step": 0}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt")))
+    assert torch.equal(out["model"]["w"], torch.arange(10.0)) and out["step"] == 3
 
 
 def test_timed_phase_starts_its_clock_after_the_page_cache_drop(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -293,6 +293,45 @@ def test_cost_targets_judge_the_async_blocked_time_by_issue_16s_bound(blocked_s:
     assert rows["async_save blocked time vs an in-memory copy (synchronous staging)"] == ("<= 1.1x", shown, met)
 
 
+def test_the_async_blocked_time_is_set_beside_dcps_floor(tmp_path: Path) -> None:
+    # dcp-floor: DCP's async_save with a writer whose stage() is only the copy (0.1 s here).
+    floor = [
+        _result("dcp-floor", rep, 32, blocked_s=b, publish_s=0.2, sync_save_s=0.2, sync_save_cpu_s=0.1, load_s=0.1)
+        for rep, b in enumerate((0.12, 0.15, 0.13))
+    ]
+    m = medians(_costs(32, uc_save=0.3, naive_save=0.2) + floor)
+    combo = ("gpt", 32, 1, "moto")
+    m[(combo, "uc-s3")]["blocked_s"] = 0.14
+    rows = {label: (want, got, ok) for label, want, got, ok in cost_targets(m, combo)}
+    label = "the same vs DCP's floor (async_save with a writer whose stage() is only that copy)"
+    assert rows[label] == ("<= 1.1x", "1.08x", True)  # 0.14 against the floor's median 0.13
+    assert rows["async_save blocked time vs an in-memory copy (synchronous staging)"] == ("<= 1.1x", "1.40x", False)
+    # a local save: not a row of the CPU table, whose paths all talk to the store
+    assert [r[0] for r in cpu_rows(m, combo)] == [
+        "naive staged: FileSystemWriter to local disk, then boto3",
+        "raw boto3 on our files (transfer only)",
+        "s3tc",
+        "uc-s3",
+    ]
+    # without the floor case (older runs) there is no such row
+    assert label not in {r[0] for r in cost_targets(medians(_costs(32, uc_save=0.3, naive_save=0.2)), combo)}
+    raw = {
+        "machine": {
+            k: "x" for k in ("date", "cpu", "memory_gib", "kernel", "python", "torch", "boto3", "moto", "s3fs_fuse")
+        }
+        | {"cores": 2},
+        "args": {"size_mb": 32, "kinds": ["gpt"], "ranks": [1], "repeats": 3},
+        "results": _costs(32, uc_save=0.3, naive_save=0.2) + floor,
+    }
+    for r in raw["results"]:
+        r.setdefault("sync_peak_extra_bytes", MIB)
+        r.setdefault("publish_s", 0.5)
+        r.setdefault("load_s", 0.5)
+    write_report(raw, tmp_path / "bench.md")
+    assert "DCP's floor for the blocked time (dcp-floor: " in (tmp_path / "bench.md").read_text()
+    assert "0.130 s, 1.30x its own copy." in (tmp_path / "bench.md").read_text()
+
+
 def test_a_ratio_is_judged_as_shown() -> None:
     # The same CPU measured twice, with float noise: 0.030000000000000027 / 0.029999999999999805 is
     # 1.0000000000000074, shown as 1.00x, and must meet "<= 1.0x".

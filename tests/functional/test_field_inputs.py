@@ -47,11 +47,37 @@ def test_a_data_file_grown_to_a_sparse_gigabyte_is_refused_before_reading(tmp_pa
     assert isinstance(err, CorruptCheckpointError), err
     assert f"{victim} has {1 << 30} bytes, the checkpoint recorded {recorded}" in str(err), err
     assert _staged_bytes(staging) < (1 << 20)  # nothing of the gigabyte reached staging
-    # Ranged reads fetch only the recorded ranges, checked block by block: the right values, and
-    # nothing past them is read.
-    target = {"a": torch.zeros(300_000), "b": torch.zeros(1000)}
-    dcp.load(target, storage_reader=UCVolumeReader(loc, prefetch_files=False), no_dist=True)
-    assert torch.equal(target["a"], sd["a"])
+    # Ranged reads refuse it as well (the file's size is checked at each read: fstat), though the
+    # recorded ranges themselves still hold the saved bytes.
+    err = _load_error(loc, prefetch=False)
+    assert isinstance(err, CorruptCheckpointError), err
+    assert f"{victim} has {1 << 30} bytes, the checkpoint recorded {recorded}" in str(err), err
+
+
+@pytest.mark.parametrize("change", ["appended", "truncated"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_data_file_of_another_size_is_refused_by_every_load(
+    tmp_path: Path, staging: Path, change: str, prefetch: bool
+) -> None:
+    # A few bytes appended past every item: no item's range reads them, yet the file is not the
+    # one saved. Cut short: its last item's range is missing bytes.
+    loc = tmp_path / "ckpt"
+    dcp.save(_sd(), storage_writer=UCVolumeWriter(loc), no_dist=True)
+    victim = _data_file(loc)
+    recorded = victim.stat().st_size
+    if change == "appended":
+        with open(victim, "ab") as f:
+            f.write(b"tail")
+    else:
+        os.truncate(victim, recorded - 4)
+    err = _load_error(loc, prefetch=prefetch)
+    assert isinstance(err, CorruptCheckpointError), err
+    assert victim.name in str(err), err
+    if change == "appended" or prefetch:
+        assert (
+            f"has {recorded + 4 if change == 'appended' else recorded - 4} bytes, the checkpoint recorded {recorded}"
+            in str(err)
+        ), err
 
 
 def test_a_data_file_that_is_a_symlink_to_dev_zero_is_refused(tmp_path: Path, staging: Path) -> None:
@@ -116,10 +142,12 @@ def test_an_s3_data_file_that_grew_is_refused(s3_server: str, s3_bucket: str, mo
         if o["Key"].endswith(".distcp")
     )
     body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
-    client.put_object(Bucket=s3_bucket, Key=key, Body=body + b"\0" * (4 << 20))
-    err = _load_error(url, prefetch=True)
-    assert isinstance(err, CorruptCheckpointError) and key.rsplit("/", 1)[-1] in str(err), err
-    assert "the checkpoint recorded" in str(err), err
+    for tail in (b"\0" * (4 << 20), b"x"):  # grown far, or by one byte no item's range reaches
+        client.put_object(Bucket=s3_bucket, Key=key, Body=body + tail)
+        for prefetch in (True, False):  # whole files, or ranged GETs (their Content-Range gives the size)
+            err = _load_error(url, prefetch=prefetch)
+            assert isinstance(err, CorruptCheckpointError) and key.rsplit("/", 1)[-1] in str(err), err
+            assert f"has {len(body) + len(tail)} bytes, the checkpoint recorded {len(body)}" in str(err), err
 
 
 def test_the_package_exports_the_names_users_reach_for() -> None:

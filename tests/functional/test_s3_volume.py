@@ -604,13 +604,13 @@ class _ViewRecordingVolume(S3Volume):
 
     addresses: list[tuple[int, int]]
 
-    def read_range_into(self, name: str, start: int, out: Any) -> None:
+    def read_range_into(self, name: str, start: int, out: Any, **kwargs: Any) -> None:
         import ctypes
 
         for view in [out] if isinstance(out, memoryview) else list(out):
             if len(view):
                 self.addresses.append((ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view)))
-        super().read_range_into(name, start, out)
+        super().read_range_into(name, start, out, **kwargs)
 
 
 @pytest.mark.parametrize("layout_matches", [True, False], ids=["in-place", "reassembled"])

@@ -48,7 +48,7 @@ class Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def read_range_into(self, name: str, start: int, out: memoryview) -> None:
+    def read_range_into(self, name: str, start: int, out: memoryview, *, file_size: int | None = None) -> None:
         out[:] = self.read_range(name, start, start + len(out))  # recorded as a read_range
 
     def read_range(self, name: str, start: int, end: int) -> bytes:

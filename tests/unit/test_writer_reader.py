@@ -302,9 +302,9 @@ def test_a_load_fetches_the_largest_ranges_first(tmp_path: Path, staging: Path, 
     reads: list[str] = []
 
     class RecordingVolume(LocalVolume):
-        def read_range_into(self, name: str, start: int, out: Any) -> None:
+        def read_range_into(self, name: str, start: int, out: Any, **kwargs: Any) -> None:
             reads.append(name)
-            super().read_range_into(name, start, out)
+            super().read_range_into(name, start, out, **kwargs)
 
         def download_file(self, name: str, local_path: Path, **kwargs: Any) -> FileRecord:
             reads.append(name)

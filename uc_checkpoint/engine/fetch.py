@@ -257,7 +257,8 @@ class RangeFetch(_Pipeline[None], Generic[T]):
 
     def _read_piece(self, lo: int, hi: int) -> None:
         views = self._views(lo, hi)
-        self.volume.read_range_into(self.request.name, lo, views[0] if len(views) == 1 else views)
+        size = self.record.size if self.record is not None else None
+        self.volume.read_range_into(self.request.name, lo, views[0] if len(views) == 1 else views, file_size=size)
         # The blocks this piece holds whole are checked here, on the worker that received them:
         # the bytes are still in cache, and the checks of a load's pieces run side by side instead
         # of one after another on the consumer's thread.

@@ -293,7 +293,7 @@ class Volume(ABC):
         if expected_size is not None and actual != expected_size:
             raise CorruptCheckpointError(
                 f"checkpoint file {where} has {actual} bytes, the checkpoint recorded {expected_size} "
-                "(truncated or replaced)"
+                "(truncated, appended to or replaced)"
             )
         if actual < min_size:
             raise CorruptCheckpointError(
@@ -316,15 +316,26 @@ class Volume(ABC):
             TransferError: the read failed for another reason.
         """
 
-    def read_range_into(self, name: str, start: int, out: memoryview | Sequence[memoryview]) -> None:
+    def read_range_into(
+        self, name: str, start: int, out: memoryview | Sequence[memoryview], *, file_size: int | None = None
+    ) -> None:
         """Bytes ``[start, start + len(out))`` of ``name``, written into ``out``: a writable,
         byte-formatted buffer, or several filled one after the other (one read scattered over them:
         a load receives a large tensor's bytes straight into the tensor, the archive records around
         it into a buffer). Stores that can receive straight into the caller's memory override
         this; the default copies what :meth:`read_range` returns.
 
+        Args:
+            file_size: the whole file's size in bytes as the checkpoint recorded it. Volumes that
+                learn the file's size from the read itself (S3's ``Content-Range``, a local file's
+                ``fstat``, the in-memory store) then refuse a file of another size, so that bytes
+                appended to a data file after its save are found by a ranged load as by a
+                whole-file one; the default (fsspec) would need one more request per read and does
+                not check.
+
         Raises:
-            CorruptCheckpointError: ``name`` does not exist or is shorter than the range.
+            CorruptCheckpointError: ``name`` does not exist, is shorter than the range, or (with
+                ``file_size``) has another size.
             TransferError: the read failed for another reason.
         """
         views = [out] if isinstance(out, memoryview) else list(out)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -71,7 +72,7 @@ def _write_whole(path: Path, data: bytes, mode: str) -> None:
         raise
 
 
-def _open_regular(path: Path) -> BinaryIO:
+def _open_regular(path: Path) -> io.BufferedReader:
     """``path`` opened for reading, or CorruptCheckpointError when it is not a regular file: a FIFO
     would block the open itself (hence O_NONBLOCK), a device (``/dev/zero``) never ends, and a
     directory is no data at all; their sizes say nothing about what reading them gives."""
@@ -232,6 +233,33 @@ class LocalVolume(Volume):
         if len(data) != end - start:
             raise self._truncated(name, start, end, len(data))
         return data
+
+    def read_range_into(
+        self, name: str, start: int, out: memoryview | Sequence[memoryview], *, file_size: int | None = None
+    ) -> None:
+        """As :meth:`Volume.read_range_into`, read straight into ``out`` (no intermediate bytes);
+        ``file_size`` is checked against the open file's ``fstat``."""
+        path = self._path(name)
+        views = [out] if isinstance(out, memoryview) else list(out)
+        got = 0
+        try:
+            with _open_regular(path) as f:
+                if file_size is not None:
+                    self._check_size(name, os.fstat(f.fileno()).st_size, file_size, 0)
+                f.seek(start)
+                for view in views:
+                    n = f.readinto(view) if len(view) else 0  # buffered: short only at the end of the file
+                    got += n
+                    if n < len(view):
+                        break
+        except FileNotFoundError as exc:
+            raise self._missing(name) from exc
+        except OSError as exc:
+            end = start + sum(map(len, views))
+            raise TransferError(f"reading bytes {start}-{end - 1} of {path} failed: {exc}") from exc
+        nbytes = sum(map(len, views))
+        if got != nbytes:
+            raise self._truncated(name, start, start + nbytes, got)
 
     def read_bytes(self, name: str) -> bytes | None:
         try:

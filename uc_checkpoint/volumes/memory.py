@@ -34,7 +34,7 @@ import errno
 import io
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
@@ -207,6 +207,17 @@ class MemoryVolume(Volume):
         if len(piece) != end - start:
             raise self._truncated(name, start, end, len(piece))
         return piece
+
+    def read_range_into(
+        self, name: str, start: int, out: memoryview | Sequence[memoryview], *, file_size: int | None = None
+    ) -> None:
+        """As :meth:`Volume.read_range_into`; ``file_size`` is checked against the stored bytes."""
+        if file_size is not None:
+            data = self._get(name)
+            if data is None:
+                raise self._missing(name)
+            self._check_size(name, len(data), file_size, 0)
+        super().read_range_into(name, start, out)
 
     def read_bytes(self, name: str) -> bytes | None:
         return self._get(name)

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -662,21 +662,28 @@ class S3Volume(Volume):
             raise self._truncated(name, start, end, len(data))
         return data
 
-    def read_range_into(self, name: str, start: int, out: memoryview | Sequence[memoryview]) -> None:
+    def read_range_into(
+        self, name: str, start: int, out: memoryview | Sequence[memoryview], *, file_size: int | None = None
+    ) -> None:
         """As :meth:`Volume.read_range_into`, the response body received straight into ``out``
         (where botocore's ``read`` would build a bytes object of it first: one pass over every
-        byte, and fresh memory that the kernel must map and zero)."""
+        byte, and fresh memory that the kernel must map and zero); ``file_size`` is checked
+        against the object's size in the response's ``Content-Range`` (no extra request)."""
         views = [out] if isinstance(out, memoryview) else list(out)
         nbytes = sum(map(len, views))
         if nbytes:
             end = start + nbytes
-            got = self._get_range(name, start, end, lambda body: _read_body_into(body, views))
+            got = self._get_range(name, start, end, lambda body: _read_body_into(body, views), file_size)
             if got != nbytes:
                 raise self._truncated(name, start, end, got)
 
-    def _get_range(self, name: str, start: int, end: int, receive: Callable[[Any], _R]) -> _R:
+    def _get_range(
+        self, name: str, start: int, end: int, receive: Callable[[Any], _R], file_size: int | None = None
+    ) -> _R:
         try:
-            return self._get(name, f"bytes={start}-{end - 1}", receive)
+            return self._get(name, f"bytes={start}-{end - 1}", receive, file_size)
+        except CorruptCheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 raise self._missing(name) from exc
@@ -699,10 +706,18 @@ class S3Volume(Volume):
                 return None
             raise TransferError(f"reading {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
 
-    def _get(self, name: str, byte_range: str | None, receive: Callable[[Any], _R] | None = None) -> _R:
+    def _get(
+        self,
+        name: str,
+        byte_range: str | None,
+        receive: Callable[[Any], _R] | None = None,
+        file_size: int | None = None,
+    ) -> _R:
         """GET an object (or a range of it) and hand its body to ``receive`` (default: read it
         whole). botocore retries a failed request; a body cut off after the response started is
-        retried here, with the same backoff shape."""
+        retried here, with the same backoff shape. With ``file_size``, a ranged response whose
+        ``Content-Range`` gives the object another size raises CorruptCheckpointError before the
+        body is read."""
         from http.client import IncompleteRead
 
         from botocore.exceptions import (
@@ -727,6 +742,8 @@ class S3Volume(Volume):
         for attempt in range(1, self.max_attempts + 1):
             try:
                 response = self.client.get_object(**kwargs)
+                if file_size is not None:
+                    self._check_object_size(name, response, file_size)
                 return receive(response["Body"]) if receive is not None else response["Body"].read()
             except cut_off as exc:
                 if attempt == self.max_attempts:
@@ -736,6 +753,14 @@ class S3Volume(Volume):
                 self._shared.add_retries(1)
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _check_object_size(self, name: str, response: Mapping[str, Any], file_size: int) -> None:
+        """Raise CorruptCheckpointError when a ranged GET's ``Content-Range`` (``bytes a-b/total``)
+        gives another object size than ``file_size``; a store that sends no total is not checked."""
+        total = str(response.get("ContentRange") or "").rpartition("/")[2]
+        if total.isdigit() and int(total) != file_size:
+            response["Body"].close()  # the range's bytes are of no use: do not read them
+            self._check_size(name, int(total), file_size, 0)
 
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         where = self.url_of(name)
