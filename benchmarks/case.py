@@ -34,15 +34,18 @@ once per process (~0.1 s of CPU), clients and connections are built once, and af
 drop before each phase (below) the first run of code the process has not run yet reads it back from
 disk, up to 8 MiB per page fault with this VM's readahead (measured: a process's first load after a
 drop read 11.4 MB in 3 major faults, 10-15 ms at 32 MiB, while raw boto3's download, timed after
-its own upload, read 0.15 MB). The async save has no warm-up of its own: it is compared with the
-in-memory copy, timed first thing in the process on fresh memory, and a warm-up async save would
-leave freed staging memory for the timed one to reuse (a copy into reused memory takes about half
-the time).
+its own upload, read 0.15 MB). The async save and the in-memory copy it is compared with are
+warmed on a tiny state (two 256 KiB tensors, ``_tiny_state``) only: the copy is timed first thing in
+the process on fresh memory, and a warm-up of the real size would leave freed memory for the timed
+one to reuse (a copy into reused memory takes about half the time). Without their warm-ups both
+read code back from disk: a process's first 32 MiB copy took 8.3-9.0 ms against 7.7-7.9 after a
+warm one, and an async save's stage ran its first allocation of each tensor ~1 ms slower.
 
 Every case first times a plain in-memory copy of the state dict (the floor for any async save's
 blocked time). Save cases then measure, in this order:
 
-0. an untimed ``dcp.save`` to ``<dest>-warmup`` (see above; its untimed load comes before step 3);
+0. an untimed ``dcp.save`` to ``<dest>-warmup`` (see above; its untimed load comes before step 3),
+   then an untimed ``dcp.async_save`` of the tiny state to ``<dest>-warmup-async``;
 1. a synchronous ``dcp.save`` to ``<dest>-sync``: peak extra memory (VmHWM above the RSS before the
    save; ``/proc/self/clear_refs`` resets the high-water mark) with no staging copy involved;
 2. ``dcp.async_save`` (THREAD) to ``<dest>``: ``blocked_s`` (until async_save returns: training is
@@ -224,7 +227,15 @@ def _reader(case: str, dest: str) -> Any:
     raise SystemExit(f"unknown case {case!r}")
 
 
+#: A state dict of two 256 KiB tensors (above ATen's grain, so torch copies them as it copies the
+#: real state's): big enough to run the code a copy or an async save runs, too small for the memory
+#: it frees to serve the timed ones (see the module docstring).
+def _tiny_state() -> dict[str, Any]:
+    return {"model": {"w": torch.ones(1 << 16)}, "optim": {"m": torch.ones(1 << 16)}, "step": 1}
+
+
 def _timed_copy(sd: Any) -> float:
+    state.cpu_copy(_tiny_state())  # the copy's code warm, as every timed call's (module docstring)
     t0 = time.perf_counter()
     copy = state.cpu_copy(sd)
     elapsed = time.perf_counter() - t0
@@ -246,8 +257,13 @@ def _planner(case: str) -> Any:
 def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # 0. one untimed save of the same state elsewhere (its load comes in 3): clients, connections
-    # and code paths warm, as run_boto3 warms its transfers (see the module docstring).
+    # and code paths warm, as run_boto3 warms its transfers (see the module docstring); and an
+    # untimed async save of a tiny state, for the code async_save runs and a save does not.
     dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-warmup"), planner=_planner(args.case))
+    tiny = dcp.async_save(
+        _tiny_state(), storage_writer=_writer(args.case, args.dest + "-warmup-async"), planner=_planner(args.case)
+    )
+    (tiny.upload_completion if hasattr(tiny, "upload_completion") else tiny).result()
     # 1. synchronous save: memory without a staging copy
     gc.collect()
     base = rss_kib("VmRSS")

@@ -129,6 +129,15 @@ def test_timed_phase_starts_its_clock_after_the_page_cache_drop(monkeypatch: pyt
     assert out["naive_save_cpu_s"] >= 0
 
 
+def test_the_async_and_copy_warm_ups_are_too_small_to_leave_memory_for_the_timed_ones() -> None:
+    from benchmarks import case, state
+
+    tiny = case._tiny_state()
+    assert state.nbytes(tiny) <= 1 << 20  # against 32 MiB and more timed
+    # big enough that torch copies each tensor as it copies the real state's (above ATen's grain)
+    assert all(t.numel() >= 32768 for t in (tiny["model"]["w"], tiny["optim"]["m"]))
+
+
 def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A timed load runs with the load's code warm, as the raw download it is compared with runs
     after its own upload (benchmarks/case.py's docstring), and the untimed load comes after the
@@ -176,6 +185,7 @@ def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch:
     assert out["verified"] and out["load_s"] > 0
     assert events == [
         ("save", "ckpt-warmup", False),
+        ("async_save", "ckpt-warmup-async", False),  # the async path's code warm, on a tiny state
         ("save", "ckpt-sync", True),
         ("async_save", "ckpt", False),
         ("load", "ckpt-warmup", False),

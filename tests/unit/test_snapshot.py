@@ -196,3 +196,122 @@ def test_async_save_returns_before_dcps_own_set_up_on_its_thread(
     target = {"layer": {f"t{i}": torch.zeros(64) for i in range(20)}, "step": 0}
     dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
     assert torch.equal(target["layer"]["t7"], sd["layer"]["t7"]) and target["step"] == 3
+
+
+@pytest.fixture
+def two_torch_threads() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_big_tensors_are_copied_on_threads_of_our_own_without_openmp(
+    two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With OpenMP, torch's pool threads spin on their cores for milliseconds after a parallel copy,
+    # delaying the thread async_save starts next: the big copies run on our threads, OpenMP off.
+    import threading
+
+    from uc_checkpoint.dcp import stager
+
+    if stager._openmp() is None:
+        pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
+    seen: list[tuple[int, int, int]] = []
+    real = stager._copy_piece
+
+    def recording(piece: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        nbytes = sum(src.numel() * src.element_size() for src, _ in piece)
+        seen.append((threading.get_ident(), torch.get_num_threads(), nbytes))
+        real(piece)
+
+    monkeypatch.setattr(stager, "_copy_piece", recording)
+    started: list[object] = []
+    real_start = stager._thread.start_new_thread
+
+    class _Threads:
+        @staticmethod
+        def start_new_thread(fn: Any, args: tuple[Any, ...]) -> int:
+            started.append(fn)
+            return real_start(fn, args)
+
+    monkeypatch.setattr(stager, "_thread", _Threads)
+    big = torch.nn.Parameter(torch.randn(3 << 20))  # 12 MiB: cut into 2 MiB pieces
+    sd = {
+        "big": big,
+        "mid": torch.arange(1 << 20, dtype=torch.int64),  # 8 MiB
+        "half": torch.randn(1 << 20).half(),
+        "tied": big,
+        "small": torch.randn(100),  # under ATen's grain: cloned in the walk
+        "strided": torch.randn(2048, 64).t(),  # not contiguous: cloned in the walk
+        "nested": {"m": torch.randn(256, 1024)},
+    }
+    snap = cpu_snapshot(sd)
+    assert snap["tied"] is snap["big"]
+    for key in ("big", "mid", "half", "small", "strided"):
+        assert torch.equal(snap[key], sd[key].detach()) and snap[key].data_ptr() != sd[key].data_ptr(), key
+        assert type(snap[key]) is torch.Tensor and not snap[key].requires_grad and snap[key].grad_fn is None, key
+        assert snap[key].is_contiguous(), key
+    assert torch.equal(snap["nested"]["m"], sd["nested"]["m"])
+    assert {threads for _, threads, _ in seen} == {1}  # no OpenMP team on any copying thread
+    assert len(started) == 1  # the calling thread and one helper (torch's 2 threads)
+    assert len({ident for ident, _, _ in seen}) <= 2
+    assert sum(n for _, _, n in seen) == (12 + 8 + 2 + 1) << 20  # each big tensor once, tied once
+    assert max(n for _, _, n in seen) <= stager._COPY_PIECE_BYTES
+    assert torch.get_num_threads() == 2  # the caller's OpenMP setting is back
+
+
+def test_a_failed_copy_is_raised_on_the_caller_and_every_helper_ends(
+    two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from uc_checkpoint.dcp import stager
+
+    if stager._openmp() is None:
+        pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
+    caller = threading.get_ident()
+
+    def failing_on_a_helper(piece: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if threading.get_ident() != caller:
+            raise MemoryError("no memory for the copy")
+        for src, dst in piece:
+            dst.copy_(src)
+
+    monkeypatch.setattr(stager, "_copy_piece", failing_on_a_helper)
+    with pytest.raises(MemoryError, match="no memory for the copy"):
+        cpu_snapshot({"a": torch.randn(4 << 20), "b": torch.randn(4 << 20)})
+    assert torch.get_num_threads() == 2
+
+
+def test_without_an_openmp_runtime_to_set_torch_copies_as_before(
+    two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from uc_checkpoint.dcp import stager
+
+    monkeypatch.setattr(stager, "_openmp", lambda: None)
+    monkeypatch.setattr(stager, "_copy_piece", lambda piece: pytest.fail("no piece is ours to copy"))
+    sd = {"a": torch.randn(3 << 20), "b": torch.nn.Parameter(torch.randn(1 << 20))}
+    snap = cpu_snapshot(sd)
+    assert torch.equal(snap["a"], sd["a"]) and torch.equal(snap["b"], sd["b"].detach())
+
+
+def test_pieces_cover_every_element_once_biggest_first() -> None:
+    from uc_checkpoint.dcp.stager import _pieces
+
+    pairs = [
+        (torch.arange(n, dtype=dt), torch.zeros(n, dtype=dt))
+        for n, dt in ((5, torch.int64), (37, torch.float32), (3, torch.uint8))
+    ]
+    pieces = _pieces(pairs, 16)  # bytes: 40, 148 and 3 -> pieces of at most 16 bytes
+    assert all(sum(src.numel() * src.element_size() for src, _ in piece) <= 16 for piece in pieces)
+    assert pieces[0][0][0].dtype == torch.float32  # the biggest tensor's pieces first
+    for piece in pieces:
+        for src, dst in piece:
+            dst.copy_(src)
+    for src, dst in pairs:
+        assert torch.equal(src, dst)
+    assert sum(src.numel() for piece in pieces for src, _ in piece) == 5 + 37 + 3
+    # tensors under the size go together: one call for many small ones
+    small = [(torch.ones(4), torch.zeros(4)) for _ in range(6)]  # 16 bytes each
+    assert [len(piece) for piece in _pieces(small, 40)] == [2, 2, 2]

@@ -148,6 +148,17 @@ def register_before_thread_pools_shut(callback: Callable[[], None]) -> bool:
     return True
 
 
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair in one call into torch (``torch._foreach_copy_``, 2.1+): the
+    GIL is released once for all of them, not per tensor; a loop of ``copy_`` where it is missing."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dsts, srcs)
+        return
+    for dst, src in zip(dsts, srcs, strict=True):  # pragma: no cover - torch without it
+        dst.copy_(src)
+
+
 __all__ = [
     "CURRENT_DCP_VERSION",
     "DCP_ASYNC_THREAD_PREFIX",
@@ -156,6 +167,7 @@ __all__ = [
     "_StorageInfo",
     "_StoragePrefix",
     "_split_by_size_and_type",
+    "copy_tensors",
     "cpu_loader",
     "dcp_async_thread_file",
     "dcp_saver_file",

@@ -6,7 +6,11 @@ clone is replaced by an empty tensor and the shard is copied again. For a sharde
 most of the time ``async_save`` blocks training (2 ranks, 242 MiB GPT + AdamW: 0.24 s blocked vs
 0.064 s for one copy; docs/benchmarks.md). :func:`cpu_snapshot` allocates each destination once
 and copies once, into pinned memory for accelerator tensors (then one synchronisation per device),
-so the snapshot costs what a plain copy costs.
+so the snapshot costs what a plain copy costs. Tensors big enough for torch to copy on several
+OpenMP threads are copied by threads of our own instead (:class:`_CopyThreads`): with OpenMP, torch's
+pool threads keep spinning on their cores for milliseconds after the copy, which delays the thread
+``dcp.async_save`` starts next, and with it the moment training gets back (measured: 0-2.5 ms on a
+32 MiB snapshot, every other save).
 
 :class:`BackgroundStager` takes the same snapshot in a thread of its own, so that ``async_save``
 returns at once and training is blocked only by the walk that records every tensor's version
@@ -18,17 +22,23 @@ a clone's time also for thousands of small tensors, where DefaultStager's deepco
 
 from __future__ import annotations
 
+import _thread
 import copy
+import ctypes
+import functools
 import io
+import itertools
 import logging
+import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-from uc_checkpoint.dcp.compat import dtensor_like, dtensor_local
+from uc_checkpoint.dcp.compat import copy_tensors, dtensor_like, dtensor_local
 from uc_checkpoint.errors import StateChangedWhileStagingError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +77,9 @@ def cpu_snapshot(state_dict: Any) -> Any:
     """
     memo: dict[int, Any] = {}
     devices: set[torch.device] = set()
-    out = _snapshot(state_dict, memo, devices)
+    copies = _CopyThreads()
+    out = _snapshot(state_dict, memo, devices, copies)
+    copies.run()
     for device in devices:  # non-blocking copies into pinned memory must land before saving
         getattr(torch, device.type).synchronize(device)
     return out
@@ -76,9 +88,15 @@ def cpu_snapshot(state_dict: Any) -> Any:
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _CONTIGUOUS = torch.contiguous_format
+#: Tensors of at least this many elements are left to :class:`_CopyThreads`; torch copies smaller
+#: ones on the calling thread alone anyway (ATen's ``GRAIN_SIZE``), so they are cloned in the walk.
+_THREADED_MIN_NUMEL = 32768
+#: Bytes each copy thread gets at least: starting a thread costs ~0.1 ms, copying 4 MiB into new
+#: memory ~1 ms here.
+_BYTES_PER_COPY_THREAD = 4 << 20
 
 
-def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device]) -> Any:
+def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device], copies: _CopyThreads) -> Any:
     # The common case first and with the fewest checks: a model of many small tensors spends more
     # of its staging time in Python per tensor than in copying (5,000 tensors of 4-64 KiB: 1.5x a
     # clone with the general path below, 1.1x with this one; benchmarks/staging.py).
@@ -86,31 +104,31 @@ def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device]) -> Any
         key = id(obj)
         out = memo.get(key)
         if out is None:
-            # clone (under no_grad: no autograd history) allocates and copies in one dispatch;
-            # empty + copy_ + detach is three, ~1.5x the time for a 16 KiB tensor.
-            out = memo[key] = obj.clone(memory_format=_CONTIGUOUS)
+            out = memo[key] = copies.clone(obj)
         return out
     if type(obj) is dict:
-        return _snapshot_dict(obj, memo, devices)
+        return _snapshot_dict(obj, memo, devices, copies)
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
-            memo[key] = _snapshot_tensor(obj, devices)
+            memo[key] = _snapshot_tensor(obj, devices, copies)
         return memo[key]
     if isinstance(obj, (int, float, str, bytes)) or obj is None:
         return obj
     if isinstance(obj, dict):  # a subclass (OrderedDict) too, rebuilt as a plain dict
-        return _snapshot_dict(obj, memo, devices)
+        return _snapshot_dict(obj, memo, devices, copies)
     if isinstance(obj, list):
-        return [_snapshot(v, memo, devices) for v in obj]
+        return [_snapshot(v, memo, devices, copies) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_snapshot(v, memo, devices) for v in obj)
+        return tuple(_snapshot(v, memo, devices, copies) for v in obj)
     if isinstance(obj, io.BytesIO):
         return io.BytesIO(obj.getvalue())
     return copy.deepcopy(obj)
 
 
-def _snapshot_dict(obj: dict[Any, Any], memo: dict[int, Any], devices: set[torch.device]) -> dict[Any, Any]:
+def _snapshot_dict(
+    obj: dict[Any, Any], memo: dict[int, Any], devices: set[torch.device], copies: _CopyThreads
+) -> dict[Any, Any]:
     # _snapshot's tensor fast path repeated inline: a call per value was a third of the Python
     # time per small tensor (benchmarks/staging.py's 5,000 tensors of 4-64 KiB, memory already
     # mapped: 1.11x a clone of each with a call per value, 1.07x inline).
@@ -120,31 +138,204 @@ def _snapshot_dict(obj: dict[Any, Any], memo: dict[int, Any], devices: set[torch
             key = id(v)
             copied = memo.get(key)
             if copied is None:
-                copied = memo[key] = v.clone(memory_format=_CONTIGUOUS)
+                copied = memo[key] = copies.clone(v)
             out[k] = copied
         else:
-            out[k] = _snapshot(v, memo, devices)
+            out[k] = _snapshot(v, memo, devices, copies)
     return out
 
 
-def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
+def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device], copies: _CopyThreads) -> torch.Tensor:
     if DTensor is not None and type(t) is DTensor:
         # Same mesh, placements and global shape/stride: DCP plans the save from the spec.
-        return dtensor_like(_copy_plain(dtensor_local(t), devices), t)
+        return dtensor_like(_copy_plain(dtensor_local(t), devices, copies), t)
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedSnapshot(f"{type(t).__name__} is staged by DCP's own stager")
     if t.layout != torch.strided:
         raise UnsupportedSnapshot(f"a {t.layout} tensor is staged by DCP's own stager")
-    return _copy_plain(t, devices)
+    return _copy_plain(t, devices, copies)
 
 
-def _copy_plain(t: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
+def _copy_plain(t: torch.Tensor, devices: set[torch.device], copies: _CopyThreads) -> torch.Tensor:
+    if t.is_cpu:
+        return copies.clone(t.detach())
     pin = t.device.type == "cuda" and torch.cuda.is_available()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     out.copy_(t.detach(), non_blocking=pin)
     if pin:
         devices.add(t.device)
     return out
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch's CPU kernels run on, for setting one thread's OpenMP thread count
+    (``omp_set_num_threads`` sets it for the calling thread only, unlike ``torch.set_num_threads``,
+    which also changes every other thread's and clears oneDNN's primitive cache). None when torch
+    does not use OpenMP or the runtime cannot be found (then :class:`_CopyThreads` leaves every copy
+    to torch). Cached: which runtime the process loaded does not change."""
+    if not torch.backends.openmp.is_available():
+        return None
+    torch.get_num_threads()  # ATen's per-thread OpenMP set-up first, or it undoes the probe below
+    for name in _loaded_openmp_libraries():
+        try:
+            # RTLD_NOLOAD: only a runtime this process has loaded already (no second copy).
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
+            lib.omp_get_max_threads.restype = ctypes.c_int
+            before = lib.omp_get_max_threads()
+            lib.omp_set_num_threads(1)
+            # torch reads this thread's OpenMP setting: is this the runtime it runs on?
+            found = torch.get_num_threads() == 1
+            lib.omp_set_num_threads(before)
+        except (OSError, AttributeError):
+            continue
+        if found:
+            return lib
+    return None
+
+
+#: The OpenMP runtimes' usual names (GNU, LLVM, Intel), tried before the process's mappings are read.
+_OPENMP_NAMES = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so")
+
+
+def _loaded_openmp_libraries() -> Iterator[str]:
+    """Names to open the loaded OpenMP runtime by: the usual sonames, then (read only if none of
+    those is the one) the paths of every mapped ``libgomp``/``libomp``/``libiomp``, as a wheel may
+    bundle one under another name."""
+    yield from _OPENMP_NAMES
+    try:
+        with open(f"/proc/{os.getpid()}/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "omp" in line}
+    except OSError:  # not Linux: the sonames only
+        return
+    yield from sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libomp", "libiomp")))
+
+
+class _CopyThreads:
+    """The copies of one snapshot that torch would split over OpenMP threads, made on threads of
+    our own instead, each with OpenMP at one thread: the calling thread and up to
+    ``torch.get_num_threads() - 1`` helpers (one per :data:`_BYTES_PER_COPY_THREAD` queued), which
+    end with the copy. The threads take pieces of at most :data:`_COPY_PIECE_BYTES` from one list
+    until none is left (a thread that started later or faults more slowly takes fewer), so the copy
+    takes about what torch's own takes, but no OpenMP thread is left spinning afterwards.
+
+    :meth:`clone` allocates a tensor's copy and, for a big contiguous tensor, queues the copy;
+    :meth:`run` makes the queued copies. Without an OpenMP runtime to set (:func:`_openmp`), or with
+    one thread, :meth:`clone` copies at once, as ``Tensor.clone`` does."""
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._bytes = 0
+        self._threads = torch.get_num_threads()
+        self._omp = _openmp() if self._threads > 1 else None
+
+    def clone(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU copy of CPU tensor ``t`` (its bytes copied by :meth:`run` when queued)."""
+        if (
+            self._omp is None
+            or t.numel() < _THREADED_MIN_NUMEL
+            or not t.is_contiguous()
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+        ):
+            # clone (under no_grad: no autograd history) allocates and copies in one dispatch;
+            # empty + copy_ + detach is three, ~1.5x the time for a 16 KiB tensor.
+            return t.clone(memory_format=_CONTIGUOUS)
+        out = torch.empty_like(t, memory_format=_CONTIGUOUS)
+        self._queued.append((t, out))
+        self._bytes += t.numel() * t.element_size()
+        return out
+
+    def run(self) -> None:
+        """Make the queued copies; raises what a copy raised."""
+        if not self._queued:
+            return
+        omp = self._omp
+        assert omp is not None
+        pieces, self._queued = _pieces(self._queued, _COPY_PIECE_BYTES), []
+        helpers = max(0, min(self._threads, self._bytes // _BYTES_PER_COPY_THREAD, len(pieces)) - 1)
+        work = _CopyWork(pieces, omp)
+        done = [threading.Lock() for _ in range(helpers)]
+        for lock in done:
+            lock.acquire()
+            # The low-level start: threading.Thread.start waits until the new thread runs (0.2-0.8
+            # ms here), time this thread spends copying instead; each helper releases its lock last.
+            _thread.start_new_thread(work.copy, (lock,))
+        work.copy(None)
+        for lock in done:
+            lock.acquire()
+        if work.errors:
+            raise work.errors[0]
+
+
+#: Most bytes one copy thread takes at a time (a bigger tensor is cut into flat views; smaller ones
+#: go together, copied in one call).
+_COPY_PIECE_BYTES = 2 << 20
+
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pieces(pairs: _Pairs, piece_bytes: int) -> list[_Pairs]:
+    """(source, destination) pairs of contiguous tensors in pieces of at most ``piece_bytes``:
+    a bigger tensor cut into flat views of that size, smaller ones together, biggest tensors first
+    (the last pieces taken are small ones)."""
+    out: list[_Pairs] = []
+    batch: _Pairs = []
+    room = 0
+    for src, dst in sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size()):
+        count, size = src.numel(), src.element_size()
+        if count * size > piece_bytes:
+            step = max(1, piece_bytes // size)
+            flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+            out.extend([(flat_src[i : i + step], flat_dst[i : i + step])] for i in range(0, count, step))
+            continue
+        if count * size > room:
+            batch, room = [], piece_bytes
+            out.append(batch)
+        batch.append((src, dst))
+        room -= count * size
+    return out
+
+
+class _CopyWork:
+    """Pieces to copy, taken in order by whichever thread is free (a counter: ``next`` on it is
+    atomic under the GIL), and the errors the threads met."""
+
+    def __init__(self, pieces: list[_Pairs], omp: ctypes.CDLL) -> None:
+        self.pieces = pieces
+        self.omp = omp
+        self.errors: list[BaseException] = []
+        self._next = itertools.count()
+
+    def copy(self, done: threading.Lock | None) -> None:
+        """Copy pieces on this thread until none is left, OpenMP at one thread for this thread
+        meanwhile (torch then copies without a parallel region); then release ``done``."""
+        try:
+            torch.get_num_threads()  # ATen's per-thread OpenMP set-up first: it would undo ours
+            before = self.omp.omp_get_max_threads()
+            self.omp.omp_set_num_threads(1)
+            try:
+                with torch.no_grad():  # grad mode is per thread: no autograd history on a helper
+                    for i in self._next:
+                        if i >= len(self.pieces) or self.errors:
+                            break
+                        _copy_piece(self.pieces[i])
+            finally:
+                self.omp.omp_set_num_threads(before)
+        except BaseException as exc:  # noqa: BLE001 - raised on the calling thread by _CopyThreads.run
+            self.errors.append(exc)
+        finally:
+            if done is not None:
+                done.release()
+
+
+def _copy_piece(piece: _Pairs) -> None:
+    """Copy one piece's pairs in one call (the GIL released once for all of them)."""
+    if len(piece) == 1:
+        piece[0][1].copy_(piece[0][0])
+    else:
+        copy_tensors([dst for _, dst in piece], [src for src, _ in piece])
 
 
 def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
