@@ -315,3 +315,22 @@ def test_pieces_cover_every_element_once_biggest_first() -> None:
     # tensors under the size go together: one call for many small ones
     small = [(torch.ones(4), torch.zeros(4)) for _ in range(6)]  # 16 bytes each
     assert [len(piece) for piece in _pieces(small, 40)] == [2, 2, 2]
+
+
+def test_a_helper_that_cannot_start_leaves_its_share_to_the_caller(
+    two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from uc_checkpoint.dcp import stager
+
+    if stager._openmp() is None:
+        pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
+
+    class _NoThreads:
+        @staticmethod
+        def start_new_thread(fn: Any, args: tuple[Any, ...]) -> int:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(stager, "_thread", _NoThreads)
+    sd = {"a": torch.randn(4 << 20), "b": torch.randn(4 << 20)}
+    snap = cpu_snapshot(sd)  # returns (no wait on a helper that never ran), every byte copied
+    assert torch.equal(snap["a"], sd["a"]) and torch.equal(snap["b"], sd["b"])

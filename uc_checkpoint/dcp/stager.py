@@ -261,7 +261,10 @@ class _CopyThreads:
             lock.acquire()
             # The low-level start: threading.Thread.start waits until the new thread runs (0.2-0.8
             # ms here), time this thread spends copying instead; each helper releases its lock last.
-            _thread.start_new_thread(work.copy, (lock,))
+            try:
+                _thread.start_new_thread(work.copy, (lock,))
+            except RuntimeError:  # no thread to be had (limits, interpreter exit): the others copy its share
+                lock.release()
         work.copy(None)
         for lock in done:
             lock.acquire()
