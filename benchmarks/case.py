@@ -227,10 +227,10 @@ def _reader(case: str, dest: str) -> Any:
     raise SystemExit(f"unknown case {case!r}")
 
 
-#: A state dict of two 256 KiB tensors (above ATen's grain, so torch copies them as it copies the
-#: real state's): big enough to run the code a copy or an async save runs, too small for the memory
-#: it frees to serve the timed ones (see the module docstring).
 def _tiny_state() -> dict[str, Any]:
+    """A state dict of two 256 KiB tensors (above ATen's grain, so torch copies them as it copies
+    the real state's): big enough to run the code a copy or an async save runs, too small for the
+    memory it frees to serve the timed ones (see the module docstring)."""
     return {"model": {"w": torch.ones(1 << 16)}, "optim": {"m": torch.ones(1 << 16)}, "step": 1}
 
 

@@ -213,10 +213,7 @@ class MemoryVolume(Volume):
     ) -> None:
         """As :meth:`Volume.read_range_into`; ``file_size`` is checked against the stored bytes."""
         if file_size is not None:
-            data = self._get(name)
-            if data is None:
-                raise self._missing(name)
-            self._check_size(name, len(data), file_size, 0)
+            self._check_size(name, None if (data := self._get(name)) is None else len(data), file_size, 0)
         super().read_range_into(name, start, out)
 
     def read_bytes(self, name: str) -> bytes | None:
