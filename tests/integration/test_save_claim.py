@@ -1,5 +1,5 @@
 """A save claims its location (a listing and a marker PUT: tens of ms on an object store) in the
-background while its first data file is serialised, and uploads nothing before the claim holds."""
+background while its data files are serialised, and uploads nothing before the claim holds."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ class SlowListingVolume(LocalVolume):
     """A local volume whose listings take ``delay_s`` (an object store's round trip, exaggerated),
     recording what happens to it, in order."""
 
-    def __init__(self, path: Path, events: list[str], delay_s: float) -> None:
+    def __init__(self, path: Path, events: list[str], delay_s: float, staging: Path | None = None) -> None:
         super().__init__(path)
-        self.events, self.delay_s = events, delay_s
+        self.events, self.delay_s, self.staging = events, delay_s, staging
+        self.staged_at_marker: list[str] = []
 
     def list_files(self) -> dict[str, int]:
         time.sleep(self.delay_s)
@@ -33,6 +34,8 @@ class SlowListingVolume(LocalVolume):
 
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         self.events.append("marker" if parse_save_marker(name) else name)
+        if parse_save_marker(name) and self.staging is not None:
+            self.staged_at_marker = sorted(p.name for p in self.staging.rglob("*.distcp"))
         return super().publish_bytes(name, data, overwrite=overwrite)
 
     def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
@@ -69,6 +72,22 @@ def test_the_claim_overlaps_serialising_and_precedes_every_upload(tmp_path: Path
     out = {"w": torch.zeros(1 << 16), "x": None}
     dcp.load(out, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
     assert torch.equal(out["w"], sd["w"])
+
+
+def test_the_serialiser_does_not_wait_for_the_claim(tmp_path: Path, staging: Path) -> None:
+    # The claim gates the uploads only: every data file is staged while the location is listed
+    # (the serialiser used to stop after its first file until the claim held).
+    events: list[str] = []
+    sd = {f"w{i}": torch.full((1 << 14,), float(i)) for i in range(6)}  # 64 KiB each
+    volume = SlowListingVolume(tmp_path / "ckpt", events, delay_s=0.5, staging=staging)
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    published = sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp"))
+    assert len(published) >= 3
+    assert volume.staged_at_marker == published, (volume.staged_at_marker, published)
+    assert events.index("marker") < events.index("upload")
+    out = {k: torch.zeros(1 << 14) for k in sd}
+    dcp.load(out, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
 def test_a_refused_claim_uploads_nothing(tmp_path: Path, staging: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
 from uc_checkpoint.engine.upload import UploadSession
-from uc_checkpoint.errors import StagingError, TransferError
+from uc_checkpoint.errors import LocationNotEmptyError, StagingError, TransferError
 from uc_checkpoint.volumes import FileRecord, LocalVolume
 
 # ---- TransferGroup ---------------------------------------------------------------------------------
@@ -142,6 +142,39 @@ def test_a_failed_upload_ends_the_session_and_keeps_its_error(tmp_path: Path) ->
                 uploads.submit(_stage(uploads.staging, f"__0_t_{i}.distcp", 5))
             uploads.finish()
     assert not staging_path.exists() and volume.closed == 1
+
+
+def test_uploads_wait_for_before_upload_and_fail_with_its_error(tmp_path: Path) -> None:
+    # The writer's claim on its location gates every upload, not the staging of files.
+    gate, calls = threading.Event(), []
+
+    def claimed() -> None:
+        calls.append(threading.current_thread().name)
+        assert gate.wait(10)
+
+    volume = LocalVolume(tmp_path / "ckpt")
+    volume.prepare_for_write()
+    with UploadSession(volume, tmp_path / "staging" / "a", workers=2, sync=False, rank=0, before_upload=claimed) as up:
+        for i in range(3):
+            up.submit(_stage(up.staging, f"__0_t_{i}.distcp", 5))
+        time.sleep(0.2)
+        assert volume.list_files() == {} and len(list(up.staging.iterdir())) == 3  # staged, none sent
+        gate.set()
+        records, _ = up.finish()
+    assert sorted(records) == [f"__0_t_{i}.distcp" for i in range(3)] and len(calls) == 3
+
+    def refused() -> None:
+        raise LocationNotEmptyError("checkpoint location holds notes.txt")
+
+    other = LocalVolume(tmp_path / "other")
+    other.prepare_for_write()
+    with pytest.raises(LocationNotEmptyError, match="notes.txt"):
+        with UploadSession(
+            other, tmp_path / "staging" / "b", workers=1, sync=False, rank=0, before_upload=refused
+        ) as up:
+            up.submit(_stage(up.staging, "__0_t_0.distcp", 5))
+            up.finish()
+    assert other.list_files() == {} and not (tmp_path / "staging" / "b").exists()
 
 
 def test_a_wrong_size_on_the_volume_fails_the_upload(tmp_path: Path) -> None:

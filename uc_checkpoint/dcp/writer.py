@@ -453,7 +453,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             remove_staging_dir(create_staging_dir(self._staging_path()))
             if self.is_coordinator or not self.use_collectives:
                 # Claiming the location is a listing and a PUT (tens of ms on an object store): it
-                # runs while DCP gathers the plans and, with one writer, while its first file is
+                # runs while DCP gathers the plans and, with one writer, while its files are
                 # serialised. Nothing is uploaded before it succeeded (see ``claimed``).
                 save.claim = _in_background(
                     publish.begin_save,
@@ -495,14 +495,23 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save, volume = self._save, self.volume
+        # A single writer claims its location while it serialises: the claim (a listing and a PUT,
+        # tens of ms on an object store) gates the uploads, not the serialiser, which would
+        # otherwise wait for it after its first file.
         uploads = UploadSession(
-            volume, self._staging_path(), workers=self.upload_workers, sync=self.sync_volume, rank=self._rank()
+            volume,
+            self._staging_path(),
+            workers=self.upload_workers,
+            sync=self.sync_volume,
+            rank=self._rank(),
+            before_upload=save.claimed,
         )
         save.staging = uploads.staging
         uploads.add_done_callback(save.forget_staging)
 
         def upload(path: Path) -> None:
-            save.claimed()  # a single writer claims its location while its first file is written
+            if save.claim is not None and save.claim.done():
+                save.claimed()  # a failed claim stops the serialiser at once
             uploads.submit(path)
 
         with uploads:  # on every way out the pool ends, the volume is closed and staging is removed

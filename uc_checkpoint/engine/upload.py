@@ -50,6 +50,10 @@ class UploadSession:
         workers: files uploaded at once.
         sync: make each file durable on the volume before it counts as uploaded.
         rank: the rank, for thread names and the record.
+        before_upload: called by each upload before it sends anything (the writer's wait for its
+            claim on the location, :func:`uc_checkpoint.engine.publish.begin_save`): files can be
+            staged while the location is claimed, and are uploaded only once it is. What it raises
+            fails the session like a failed upload.
 
     Raises:
         StagingError: on construction, the staging directory cannot be created; on leaving the
@@ -58,8 +62,18 @@ class UploadSession:
             bare ``FileNotFoundError``). Any other error leaves the block unchanged.
     """
 
-    def __init__(self, volume: Volume, staging: Path, *, workers: int, sync: bool, rank: int) -> None:
+    def __init__(
+        self,
+        volume: Volume,
+        staging: Path,
+        *,
+        workers: int,
+        sync: bool,
+        rank: int,
+        before_upload: Callable[[], object] | None = None,
+    ) -> None:
         self.volume = volume
+        self._before_upload = before_upload
         self.rank = rank
         self._sync = sync
         self._retries_before = volume.retries
@@ -86,6 +100,8 @@ class UploadSession:
         self._group.submit(self._upload, local)
 
     def _upload(self, local: Path) -> FileRecord:
+        if self._before_upload is not None:
+            self._before_upload()
         t0 = time.perf_counter()
         staged_size = local.stat().st_size
         name = local.relative_to(self.staging).as_posix()
