@@ -41,6 +41,7 @@ from uc_checkpoint.errors import (
 if TYPE_CHECKING:
     from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
     from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+    from uc_checkpoint.dcp.buffers import StagingBuffers
     from uc_checkpoint.dcp.planner import UCSavePlanner
     from uc_checkpoint.dcp.reader import UCVolumeReader
     from uc_checkpoint.dcp.writer import UCVolumeWriter
@@ -58,6 +59,7 @@ _LAZY = {
     "UCVolumeReader": ".dcp.reader",
     "UCVolumeWriter": ".dcp.writer",
     "UCSavePlanner": ".dcp.planner",
+    "StagingBuffers": ".dcp.buffers",
     "CheckpointManager": ".ops.manager",
     "DataTracker": ".data.tracker",
     "ShardSpec": ".data.tracker",
@@ -116,6 +118,7 @@ __all__ = [
     "RemoteRankError",
     "StagingError",
     "StateChangedWhileStagingError",
+    "StagingBuffers",
     "TrackerStateError",
     "TransferError",
     "UCCheckpointError",

@@ -512,11 +512,11 @@ def test_an_async_save_goes_where_the_writer_pointed_when_it_was_called(
     writer = UCVolumeWriter(a)
     real = writer_module.cpu_snapshot
 
-    def copy_while_another_thread_resets(state: Any) -> Any:
+    def copy_while_another_thread_resets(state: Any, buffers: Any = None) -> Any:
         other = threading.Thread(target=writer.reset, args=(b,))
         other.start()
         other.join(timeout=60)
-        return real(state)
+        return real(state, buffers)
 
     monkeypatch.setattr(writer_module, "cpu_snapshot", copy_while_another_thread_resets)
     dcp.async_save(_step(1), storage_writer=writer, no_dist=True).result(timeout=60)

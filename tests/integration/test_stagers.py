@@ -3,7 +3,8 @@ synchronous and asynchronous staging, with and without shared memory, in DCP's T
 modes (PROCESS pickles the writer and the staged state into its daemon), on two real ranks (gloo on
 CPU), beside the writer's own ``stage()``. Every checkpoint loads back resharded with the values of
 the save call although training changed every tensor in place as soon as the staging was done;
-and CheckpointManager(async_staging=True) in both modes (``wait_until_staged()``, then the step)."""
+and CheckpointManager(async_staging=True) in both modes (``wait_until_staged()``, then the step),
+and CheckpointManager(reuse_staging_buffers=True) in both modes (two saves, each its own values)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_every_stager_in_thread_and_process_mode_round_trips(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Found anywhere: the ranks share one pipe, and their lines can interleave ("...OKRANK 0...").
     ok = set(re.findall(r"RANK \d+ \w+ [\w-]+ OK", proc.stdout))
-    names = (*STAGERS, "manager")
+    names = (*STAGERS, "manager", "manager-reuse")
     want = {f"RANK {r} {mode} {name} OK" for r in (0, 1) for mode in ("thread", "process") for name in names}
     assert want <= ok, sorted(want - ok)
     for mode in ("thread", "process"):

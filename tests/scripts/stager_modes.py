@@ -130,6 +130,35 @@ def manager_round_trip(root: str, mode: str, mesh: object) -> None:
     print(f"RANK {rank} {mode} manager OK", flush=True)
 
 
+def manager_reuse_round_trip(root: str, mode: str, mesh: object) -> None:
+    """CheckpointManager(reuse_staging_buffers=True): the second save copies into the first's
+    buffers (THREAD mode; PROCESS mode hands each snapshot to its daemon and keeps none), and each
+    checkpoint holds its own step's values."""
+    rank = dist.get_rank()
+    manager = CheckpointManager(f"{root}/manager-reuse-{mode}", reuse_staging_buffers=True, async_mode=mode)
+    sd, first = state(mesh, rank, 4), state(mesh, rank, 4)
+    manager.save(1, sd)
+    with torch.no_grad():  # the next optimizer step, while the save uploads
+        local(sd["model"]["w"]).add_(1000.0)
+        sd["model"]["small0"].zero_()
+    manager.save(2, sd)
+    with torch.no_grad():
+        local(sd["model"]["w"]).add_(1000.0)
+    manager.wait()
+    held = manager._staging_buffers.nbytes if manager._staging_buffers is not None else -1
+    assert (held > 0) == (mode == "thread"), f"manager-reuse {mode}: {held} bytes kept"
+    out = state(mesh, rank, 99)
+    manager.load(out, step=1)
+    assert torch.equal(out["model"]["w"].full_tensor(), first["model"]["w"].full_tensor()), f"reuse {mode}: w@1"
+    assert torch.equal(out["model"]["small0"], first["model"]["small0"]), f"reuse {mode}: small0@1"
+    manager.load(out, step=2)
+    want = first["model"]["w"].full_tensor() + 1000.0
+    assert torch.equal(out["model"]["w"].full_tensor(), want), f"reuse {mode}: w@2"
+    assert not out["model"]["small0"].any(), f"reuse {mode}: small0@2"
+    dist.barrier()
+    print(f"RANK {rank} {mode} manager-reuse OK", flush=True)
+
+
 def main() -> None:
     root = sys.argv[1].rstrip("/")
     dist.init_process_group("gloo")
@@ -138,6 +167,7 @@ def main() -> None:
         for name in STAGERS:
             round_trip(root, mode, name, mesh)
         manager_round_trip(root, mode, mesh)
+        manager_reuse_round_trip(root, mode, mesh)
     dist.destroy_process_group()
 
 

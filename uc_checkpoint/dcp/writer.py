@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from uc_checkpoint.dcp import exit_guard, metadata_io
+from uc_checkpoint.dcp.buffers import BufferLease, StagingBuffers
 from uc_checkpoint.dcp.serialize import (
     AUTO_FILES_PER_RANK,
     MAX_AUTO_FILE_SIZE,
@@ -82,8 +83,9 @@ HAND_BACK_S = 0.001
 UNCLAIMED_WAIT_S = 5.0
 
 #: An async save staged and not yet set up: (exit ticket, location when staged, world size or None,
-#: ident of the thread that staged it, the staged state dict ``stage()`` returned).
-_Staged = tuple[exit_guard.SaveTicket, str | Volume, int | None, int, Any]
+#: ident of the thread that staged it, the staged state dict ``stage()`` returned, its lease of
+#: kept staging buffers or None).
+_Staged = tuple[exit_guard.SaveTicket, str | Volume, int | None, int, Any, BufferLease | None]
 _T = TypeVar("_T")
 
 exit_guard.install()  # a save in flight when the script ends is finished first
@@ -134,6 +136,7 @@ class _SaveSession(Session):
     staging: Path | None = None
     ticket: exit_guard.SaveTicket | None = None
     claim: concurrent.futures.Future[str] | None = None
+    lease: BufferLease | None = None
 
     def claimed(self) -> None:
         """Wait until this save holds its location (:func:`publish.begin_save`, run in the
@@ -148,8 +151,14 @@ class _SaveSession(Session):
     def forget_staging(self) -> None:
         self.staging = None
 
+    def release_snapshot(self) -> None:
+        """Nothing of this save reads its staged tensors any more: kept buffers go back."""
+        if self.lease is not None:
+            self.lease.release()
+
     def end(self, error: BaseException | None = None) -> None:
         """This rank's part of the save is over: the interpreter's exit need not wait for it."""
+        self.release_snapshot()
         if self.claim is not None:
             concurrent.futures.wait([self.claim])  # nothing of this save runs on after it ends
         if self.ticket is not None:
@@ -198,6 +207,12 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             flat layout. None (default): automatic: flat, except on S3 for saves of at least
             256 ranks, which get one prefix per 32 ranks (8 at 256 ranks, at most 256). Stock DCP
             readers load either layout (``.metadata`` records each file's relative path).
+        staging_buffers: keep ``async_save``'s CPU snapshot between saves and copy the next one
+            into it (:class:`~uc_checkpoint.dcp.buffers.StagingBuffers`; pass the same object to
+            every writer of the run): training is blocked for a copy into mapped memory instead
+            of new memory (about a third of the time here), at the cost of one copy of the rank's
+            state kept between saves. None (default): each snapshot in new memory, freed with its
+            save.
 
     Raises (at construction):
         TypeError / ValueError: an argument of the wrong type or out of range.
@@ -233,8 +248,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         sync_files: bool = True,
         volume_options: dict[str, Any] | None = None,
         spread_prefixes: int | None = None,
+        staging_buffers: StagingBuffers | None = None,
     ) -> None:
         _check_arguments(path, upload_workers, thread_count, file_size_bytes, spread_prefixes)
+        if staging_buffers is not None and not isinstance(staging_buffers, StagingBuffers):
+            raise TypeError(f"staging_buffers must be a StagingBuffers or None, got {type(staging_buffers).__name__}")
         self._init_sessions(path, volume_options)
         # Async saves staged whose own thread has not reached the writer yet: their exit ticket,
         # where the caller's writer pointed then (another save's reset may move it before this one's
@@ -255,6 +273,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         self.create_parents = create_parents
         self.sync_volume = sync_files
         self.spread_prefixes = spread_prefixes
+        self.staging_buffers = staging_buffers
         #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last save (None before
         #: one succeeded; in DCP's PROCESS mode it stays in the background process).
         self.last_record: TransferRecord | None = None
@@ -313,6 +332,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
                 handed = self._claimed_on_stack()
             if handed is not None:
                 handed[0].end()
+                if handed[5] is not None:
+                    handed[5].forget()  # the snapshot goes to the other process with the save
                 self._claims.notify_all()
         state["_pending"] = deque()
         state["_claims"] = None
@@ -339,18 +360,26 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # thread's reset may move the writer.
         mine = self._own_session()
         location = mine.location if mine is not None else self._location
+        lease = self.staging_buffers.lease() if self.staging_buffers is not None else None
         try:
-            staged = cpu_snapshot(state_dict)
+            staged = cpu_snapshot(state_dict, lease)
         except UnsupportedSnapshot as exc:
             logger.debug("staging with DCP's stager: %s", exc)
+            if lease is not None:
+                lease.cancel()
+                lease = None
             staged = super().stage(state_dict)
+        except BaseException:
+            if lease is not None:
+                lease.cancel()
+            raise
         # The save's thread does not exist yet: an exit right after async_save must still wait.
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         me = threading.get_ident()
         with self._claims:
             self._drop_unclaimed(me)
             ticket = exit_guard.open_ticket(str(location), background=True)
-            self._pending.append((ticket, location, world, me, staged))
+            self._pending.append((ticket, location, world, me, staged, lease))
         return staged
 
     def _drop_unclaimed(self, staged_by: int) -> None:
@@ -366,6 +395,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             self._claims.wait(left)  # a save's thread claiming an entry wakes this
         for entry in [e for e in self._pending if e[3] == staged_by]:
             self._pending.remove(entry)
+            if entry[5] is not None:
+                entry[5].release()
             entry[0].end(
                 StagingError(f"an async save staged for {entry[1]} never reached the writer (DCP failed before it)")
             )
@@ -426,14 +457,15 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         staged = self._claim_staged()
         if staged is not None:
-            ticket, location, world, _staged_by, _dict = staged
+            ticket, location, world, _staged_by, _dict, lease = staged
             with self._claims:
                 self._claimed.pop(threading.get_ident(), None)
         else:  # a synchronous save (or PROCESS mode's background process)
-            ticket, location, world = exit_guard.open_ticket(str(self._location)), None, None
+            ticket, location, world, lease = exit_guard.open_ticket(str(self._location)), None, None, None
         save = self._begin_session(location)
         assert isinstance(save, _SaveSession)
         save.ticket = ticket
+        save.lease = lease
         ticket.bind(save.volume.url)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         save.is_coordinator = is_coordinator
@@ -517,6 +549,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         with uploads:  # on every way out the pool ends, the volume is closed and staging is removed
             jobs, copy_ahead = self._file_queue(plan, uploads.staging), self.per_thread_copy_ahead
             results = write_files(jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=upload)
+            save.release_snapshot()  # serialised: the next async save may copy into its buffers
             save.claimed()  # also when the rank had nothing to upload
             records, record = uploads.finish()
         fut: Future[list[WriteResult]] = Future()
