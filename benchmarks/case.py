@@ -50,7 +50,11 @@ blocked time). Save cases then measure, in this order:
    save; ``/proc/self/clear_refs`` resets the high-water mark) with no staging copy involved;
 2. ``dcp.async_save`` (THREAD) to ``<dest>``: ``blocked_s`` (until async_save returns: training is
    blocked that long) and ``publish_s`` (until ``--visible``, the ``.metadata`` object or file on the
-   volume itself, exists; polled every 5 ms by rank 0), then waits for the future;
+   volume itself, exists; polled every 5 ms by rank 0), then waits for the future; ours
+   (with ``--kept-buffers``) with a :class:`~uc_checkpoint.StagingBuffers`, empty before this save;
+2b. ours with ``--kept-buffers`` (the direct-S3 cases): ``dcp.async_save`` again to ``<dest>-kept`` with the same buffers, which the save
+   of step 2 filled: ``blocked_kept_s`` (what ``CheckpointManager(reuse_staging_buffers=True)``
+   blocks from its second save on); the buffers are freed after it;
 3. ``dcp.load`` into zeros: ``load_s``, and the loaded state is compared with what was saved,
    tensor by tensor (a mismatch fails the case).
 
@@ -166,20 +170,21 @@ class CopyOnlyWriter(dcp.FileSystemWriter):
         return super().checkpoint_id
 
 
-def _writer(case: str, dest: str) -> Any:
+def _writer(case: str, dest: str, buffers: Any = None) -> Any:
+    """The case's storage writer; ``buffers``: our writer's kept staging buffers (ours only)."""
     if case == "floor":
         return CopyOnlyWriter(dest)
     if case == "uc":
         from uc_checkpoint import UCVolumeWriter
 
-        return UCVolumeWriter(dest)
+        return UCVolumeWriter(dest, staging_buffers=buffers)
     if case == "uc-unsigned":
         from uc_checkpoint import UCVolumeWriter
         from uc_checkpoint.volumes import S3Volume
 
         # SigV4 with UNSIGNED-PAYLOAD, as s3torchconnector's CRT client signs every request
         # (aws-c-s3's default signing config): no SHA-256 over each body. An option, not our default.
-        return UCVolumeWriter(S3Volume(dest, sign_payload=False))
+        return UCVolumeWriter(S3Volume(dest, sign_payload=False), staging_buffers=buffers)
     if case == "fs":
         return dcp.FileSystemWriter(dest)
     if case == "fsspec":
@@ -244,6 +249,15 @@ def _timed_copy(sd: Any) -> float:
     return elapsed
 
 
+def _staging_buffers(case: str) -> Any:
+    """A :class:`~uc_checkpoint.StagingBuffers` for our cases, None for the others."""
+    if case not in ("uc", "uc-unsigned"):
+        return None
+    from uc_checkpoint import StagingBuffers
+
+    return StagingBuffers()
+
+
 def _planner(case: str) -> Any:
     """Ours with the planner the README recommends beside it (small replicated items on one rank);
     DCP's default planner for every other case."""
@@ -280,8 +294,11 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = rss_kib("VmRSS")
     reset_peak_rss()
+    # Ours keeps its snapshot's memory for 2b (a first save with StagingBuffers allocates as
+    # without them: the set is empty).
+    buffers = _staging_buffers(args.case) if args.kept_buffers else None
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, storage_writer=_writer(args.case, args.dest), planner=_planner(args.case))
+    fut = dcp.async_save(sd, storage_writer=_writer(args.case, args.dest, buffers), planner=_planner(args.case))
     out["blocked_s"] = time.perf_counter() - t0
     if probe is not None:
         deadline = t0 + args.timeout
@@ -295,6 +312,18 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()  # uploads included
     out["async_done_s"] = time.perf_counter() - t0
     out["async_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
+    if buffers is not None:
+        # 2b. ours again, copying into the kept buffers: CheckpointManager(reuse_staging_buffers=True)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(
+            sd, storage_writer=_writer(args.case, args.dest + "-kept", buffers), planner=_planner(args.case)
+        )
+        out["blocked_kept_s"] = time.perf_counter() - t0
+        fut.result()
+        buffers.clear()
+        gc.collect()
 
     # 3. load into zeros and compare, after an untimed load of step 0's checkpoint (not before the
     # saves: its freed memory would serve their allocations, not the in-memory copy's)
@@ -416,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", default="gpt", choices=("gpt", "small"))
     p.add_argument("--size-mb", type=int, default=256, help="checkpoint size in MiB (all ranks together)")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--kept-buffers",
+        action="store_true",
+        help="ours: also time an async save into the staging buffers the first one left (step 2b)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))

@@ -91,6 +91,8 @@ DIRECT_CASES = ("uc-s3", "uc-s3-unsigned", "fsspec-s3", "s3tc", "boto3")
 #: Cases that use no store at all (local disk only), also run on every store: a figure each
 #: store's section compares ours with.
 STORELESS_CASES = ("dcp-floor",)
+#: Ours on S3 also times an async save into the staging buffers its first one left (case.py, 2b).
+KEPT_BUFFERS_CASES = ("uc-s3", "uc-s3-unsigned")
 #: The cases run against localbucket too (every other case runs on moto only).
 EVERY_STORE_CASES = DIRECT_CASES + STORELESS_CASES
 STORES = ("moto", "localbucket")
@@ -186,6 +188,8 @@ def run_case(
     ]
     if visible:
         args += ["--visible", visible]
+    if name in KEPT_BUFFERS_CASES:
+        args.append("--kept-buffers")
     if ranks == 1:
         cmd = [sys.executable, "-m", "benchmarks.case", *args]
     else:

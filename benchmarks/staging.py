@@ -19,6 +19,9 @@ the next measurement, and is not part of any figure):
 * ``uc``: ``async_save(storage_writer=UCVolumeWriter(...))``: the writer is the stager (``stage()``);
 * ``uc-async``: ``async_stager=BackgroundStager()``: the same copy in a thread of its own (what
   ``CheckpointManager(async_staging=True)`` uses);
+* ``uc-reused``: ``UCVolumeWriter(..., staging_buffers=StagingBuffers())`` with one
+  ``StagingBuffers`` kept across saves: the writer's ``stage()`` copies into the last save's
+  tensors (what ``CheckpointManager(reuse_staging_buffers=True)`` uses; compare with ``copy_into``);
 * ``dcp-sync`` / ``dcp-async``: ``async_stager=DefaultStager(StagingOptions(use_pinned_memory=False,
   use_shared_memory=False, use_async_staging=False/True, use_non_blocking_copy=False))``, a new
   stager per save (so it allocates, as ``clone`` does);
@@ -64,7 +67,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from uc_checkpoint import UCVolumeWriter
+from uc_checkpoint import StagingBuffers, UCVolumeWriter
 from uc_checkpoint.dcp.stager import BackgroundStager
 
 from .cpu import reset_peak_rss, rss_kib
@@ -74,6 +77,7 @@ log = logging.getLogger("benchmarks.staging")
 METHODS = (
     "uc",
     "uc-async",
+    "uc-reused",
     "dcp-sync",
     "dcp-async",
     "dcp-sync-reused",
@@ -147,8 +151,8 @@ def measure_copy(sd: Any, dst: list[torch.Tensor]) -> dict[str, float]:
     return {"clone_s": clone_s, "copy_into_s": time.perf_counter() - t0}
 
 
-def _stager_for(method: str, kept: dict[str, DefaultStager]) -> DefaultStager | BackgroundStager | None:
-    if method == "uc":
+def _stager_for(method: str, kept: dict[str, Any]) -> DefaultStager | BackgroundStager | None:
+    if method in ("uc", "uc-reused"):
         return None
     if method == "uc-async":
         return BackgroundStager()
@@ -165,10 +169,11 @@ def _stager_for(method: str, kept: dict[str, DefaultStager]) -> DefaultStager | 
     return DefaultStager(options)
 
 
-def measure_save(sd: Any, method: str, dest: str, kept: dict[str, DefaultStager]) -> dict[str, float]:
+def measure_save(sd: Any, method: str, dest: str, kept: dict[str, Any]) -> dict[str, float]:
     """One ``async_save`` with ``method``'s stager: blocked and staged seconds, peak extra bytes."""
     stager = _stager_for(method, kept)
-    writer = UCVolumeWriter(dest)
+    buffers = kept.setdefault(method, StagingBuffers()) if method == "uc-reused" else None
+    writer = UCVolumeWriter(dest, staging_buffers=buffers)
     staged_at: list[float] = []
     base = _settle()
     reset_peak_rss()
@@ -234,7 +239,7 @@ def run(kinds: list[str], methods: list[str], repeats: int, scale: float, memory
         for kind in kinds:
             sd = build_state(kind, scale)
             dst = [torch.empty_like(t) for t in _tensors(sd)]
-            kept: dict[str, DefaultStager] = {}
+            kept: dict[str, Any] = {}
             samples: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
             for rep in range(repeats + 1):  # repeat 0 warms up (first save, imports, reused buffers)
                 for m in methods:
@@ -243,7 +248,8 @@ def run(kinds: list[str], methods: list[str], repeats: int, scale: float, memory
                     if rep:
                         samples[m].append({**copy, **row})
             for stager in kept.values():
-                stager.close()
+                if isinstance(stager, DefaultStager):
+                    stager.close()
             del sd, dst
             peaks = {m: measure_memory(kind, m, scale) for m in ["clone", *methods]} if memory else {}
             results[kind] = _summarise(kind, samples, peaks, scale)

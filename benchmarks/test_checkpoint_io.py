@@ -17,7 +17,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, case_env, run_case
+from benchmarks.run import DIRECT_BUCKET, FUSE_BUCKET, KEPT_BUFFERS_CASES, case_env, run_case
 
 QUICK = bool(os.environ.get("UC_BENCH_QUICK"))
 MB = 8 if QUICK else int(os.environ.get("UC_BENCH_MB", "64"))
@@ -83,6 +83,8 @@ def test_case_saves_loads_and_verifies(benchmark, bench_env, name: str) -> None:
             # Ordering the case measures must respect: async_save returns before .metadata exists.
             assert 0 < result["blocked_s"] <= result["publish_s"] <= result["async_done_s"] + 0.05
             assert result["load_s"] > 0
+            # ours also times an async save into the staging buffers the first one left
+            assert (result.get("blocked_kept_s", 0) > 0) == (name in KEPT_BUFFERS_CASES)
     last = runs[-1][0]
     benchmark.extra_info.update({k: v for k, v in last.items() if isinstance(v, (int, float))})
 

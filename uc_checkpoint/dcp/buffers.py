@@ -23,8 +23,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: One kept buffer: the tensor, and whether it is in pinned memory (for accelerator sources).
-_Buffer = tuple[torch.Tensor, bool]
+#: One kept buffer: the tensor, whether it is in pinned memory (for accelerator sources), its dtype
+#: and shape.
+_Buffer = tuple[torch.Tensor, bool, torch.dtype, torch.Size]
 
 
 class StagingBuffers:
@@ -62,7 +63,7 @@ class StagingBuffers:
     def nbytes(self) -> int:
         """Bytes held by the idle set (0 while a save holds it, or before the first save ended)."""
         with self._lock:
-            return sum(t.numel() * t.element_size() for t, _ in self._idle)
+            return sum(b[0].numel() * b[0].element_size() for b in self._idle)
 
     def clear(self) -> None:
         """Free the idle set (a save holding one keeps it until it ends; it then comes back)."""
@@ -97,18 +98,20 @@ class BufferLease:
         """The kept tensor at this point of the walk if it has ``like``'s shape and dtype and the
         given pinning (then it is used: the caller copies into it), else None (the caller allocates
         and passes its tensor to :meth:`keep`)."""
-        i = len(self._used)
-        if i < len(self._offered):
-            t, was_pinned = self._offered[i]
-            if was_pinned == pinned and t.dtype == like.dtype and t.shape == like.shape:
-                self._used.append((t, pinned))
+        offered, i = self._offered, len(self._used)
+        if i < len(offered):
+            kept = offered[i]
+            # shape and dtype recorded with the buffer: reading them off the tensor is a call each,
+            # most of this method's time for a state of thousands of small tensors
+            if kept[2] is like.dtype and kept[3] == like.shape and kept[1] == pinned:
+                self._used.append(kept)
                 self.reused += 1
-                return t
+                return kept[0]
         return None
 
     def keep(self, t: torch.Tensor, pinned: bool) -> None:
         """Record a tensor the snapshot allocated at this point of the walk."""
-        self._used.append((t, pinned))
+        self._used.append((t, pinned, t.dtype, t.shape))
 
     def release(self) -> None:
         """The save no longer reads its snapshot: its tensors become the idle set (once; later
