@@ -21,6 +21,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.dcp.planner", ["UCSavePlanner", "place_replicated"]),
     ("uc_checkpoint.dcp.reader", ["UCVolumeReader"]),
     ("uc_checkpoint.dcp.stager", ["BackgroundStager"]),
+    ("uc_checkpoint.dcp.buffers", ["StagingBuffers", "BufferLease"]),
     ("uc_checkpoint.ops.manager", ["CheckpointManager", "CheckpointInfo"]),
     ("uc_checkpoint.ops.options", ["WriterOptions", "ReaderOptions"]),
     ("uc_checkpoint.ops.retention", ["steps_to_delete"]),
