@@ -56,7 +56,7 @@ def volume(request: pytest.FixtureRequest, tmp_path: Path, memory_root: str) -> 
     return make_volume(request.param, tmp_path, memory_root)
 
 
-def begin(volume: Volume, marker: SaveMarker, **kwargs: Any) -> str:
+def begin(volume: Volume, marker: SaveMarker, **kwargs: Any) -> publish.Claim:
     options: dict[str, Any] = {
         "save_id": "save-1",
         "overwrite": True,
@@ -86,14 +86,15 @@ def test_marker_names_parse_back() -> None:
 def test_begin_save_writes_the_marker_and_reports_no_published_checkpoint(volume: Volume) -> None:
     marker = SaveMarker(None, "0123abcd")
     before = time.time()
-    assert begin(volume, marker, save_id="save-42") == ""
+    assert begin(volume, marker, save_id="save-42") == publish.Claim(published="", tag=None, abandoned=False)
     after = time.time()
     info = json.loads(volume.read_bytes(marker.name()) or b"")
-    assert info["save_id"] == "save-42" and info["pid"] == os.getpid()
+    assert info["save_id"] == "save-42" and info["pid"] == os.getpid() and info["token"] == "0123abcd"
     assert before - 1 <= info["started"] <= after + 1  # when the save began (Unix seconds), not another time
-    assert set(volume.list_files()) == {marker.name()}
+    assert json.loads(volume.read_bytes(".uc-claim") or b"") == info  # the location's claim: the same
+    assert set(volume.list_files()) == {marker.name(), ".uc-claim"}
     marker.remove(volume)
-    assert volume.list_files() == {}
+    assert set(volume.list_files()) == {".uc-claim"}  # the claim stays with the location
 
 
 # ---- the start-of-save check -------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_a_published_checkpoint_is_kept_without_overwrite_and_digested_with_it(v
     with pytest.raises(CheckpointExistsError, match="exists and overwrite=False"):
         begin(volume, SaveMarker(None, "0123abcd"), overwrite=False)
     assert ".uc-save-0123abcd" not in volume.list_files()
-    assert begin(volume, SaveMarker(None, "0123abcd")) == hashlib.sha256(b"old checkpoint").hexdigest()
+    assert begin(volume, SaveMarker(None, "0123abcd")).published == hashlib.sha256(b"old checkpoint").hexdigest()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -170,6 +171,40 @@ def test_the_older_of_two_concurrent_saves_is_abandoned(volume: Volume) -> None:
         publish.check_no_newer_save(volume, listing, older)
     assert newer.name() in str(err.value) and f"pid {os.getpid()}" in str(err.value)
     assert "the newer save publishes, this one is abandoned" in str(err.value)
+
+
+def test_the_last_save_to_claim_a_location_is_the_one_that_publishes(volume: Volume) -> None:
+    first, second = SaveMarker(None, "aaaa0000"), SaveMarker(None, "bbbb0000")
+    claim1 = begin(volume, first)
+    publish.check_claim(volume, first, claim1)  # alone: its own
+    claim2 = begin(volume, second)
+    publish.check_claim(volume, second, claim2)
+    with pytest.raises(ConcurrentSaveError, match="another save started at this location") as err:
+        publish.check_claim(volume, first, claim1)
+    assert ".uc-claim: claimed by host" in str(err.value) and f"pid {os.getpid()}" in str(err.value)
+    # a rank-local save claims its own slot: no conflict with the collective one
+    local = SaveMarker(0, "cccc0000")
+    publish.check_claim(volume, local, begin(volume, local))
+    publish.check_claim(volume, second, claim2)
+    # a claim deleted (or damaged) under a save: nobody's, so not this save's
+    volume.delete(".uc-claim")
+    with pytest.raises(ConcurrentSaveError, match=r"\.uc-claim: it is gone"):
+        publish.check_claim(volume, second, claim2)
+    volume.publish_bytes(".uc-claim", b"not json")
+    with pytest.raises(ConcurrentSaveError, match="claimed by an unreadable writer"):
+        publish.check_claim(volume, second, claim2)
+
+
+def test_a_tag_that_differs_is_settled_by_the_claims_token(volume: Volume) -> None:
+    # A store whose HEAD reports the ETag in another form than its PUT's answer must not refuse the
+    # save: the claim is read and its token compared.
+    mine = SaveMarker(None, "dddd0000")
+    claim = begin(volume, mine)
+    publish.check_claim(volume, mine, publish.Claim(claim.published, tag='"another-form"'))
+    other = SaveMarker(None, "eeee0000")
+    begin(volume, other)
+    with pytest.raises(ConcurrentSaveError):
+        publish.check_claim(volume, mine, publish.Claim(claim.published, tag='"another-form"'))
 
 
 def test_markers_of_other_slots_and_a_lost_own_marker(volume: Volume) -> None:

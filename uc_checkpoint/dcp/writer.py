@@ -135,14 +135,18 @@ class _SaveSession(Session):
     published_digest: str | None = None
     staging: Path | None = None
     ticket: exit_guard.SaveTicket | None = None
-    claim: concurrent.futures.Future[str] | None = None
+    claim: concurrent.futures.Future[publish.Claim] | None = None
     lease: BufferLease | None = None
 
-    def claimed(self) -> None:
+    def claimed(self) -> publish.Claim:
         """Wait until this save holds its location (:func:`publish.begin_save`, run in the
-        background from the planning step); raises what claiming it raised."""
-        if self.claim is not None:
-            self.published_digest = self.claim.result()
+        background from the planning step) and return what claiming it found; raises what
+        claiming it raised."""
+        if self.claim is None:  # not the claiming rank: nothing found, nothing to check
+            return publish.Claim(published="")
+        found = self.claim.result()
+        self.published_digest = found.published
+        return found
 
     def marker(self) -> SaveMarker:
         """This save's marker; its rank is set for a rank-local save (DCP without collectives)."""
@@ -565,14 +569,19 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         self._save.end()
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self._save.claimed()
+        claim = self._save.claimed()
         volume, marker = self.volume, self._save.marker()
         storage_md, records = split_results(results)
-        listing = checkpoint_files(volume)  # with the files in spread prefixes
+        # A volume that verified every upload (S3) is not listed again: one LIST per 1,000 files
+        # (and per spread prefix) between the last upload and the publish, where the claim's HEAD
+        # tells what the listing's markers told. Elsewhere (local, FUSE, fsspec) the listing stays.
+        listing = None if volume.verifies_uploads else checkpoint_files(volume)  # spread prefixes too
         referenced = {info.relative_path for info in storage_md.values()}
         publish.check_data_files(volume, listing, {name: r.size for name, r in records.items()}, referenced)
         try:
-            publish.check_no_newer_save(volume, listing, marker)
+            if listing is not None:
+                publish.check_no_newer_save(volume, listing, marker)
+            publish.check_claim(volume, marker, claim)
             complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
             meta_name = marker.metadata_name()
             read_manifest = _manifest_reader(volume.url_of(meta_name))
@@ -582,7 +591,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             publish.publish_metadata(volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest)
             logger.info("published %s (%d data files)", volume.url_of(meta_name), len(records))
             # A rollback's abandonment marker annotated the checkpoint just replaced (uc_checkpoint.ops.lineage).
-            stale = {layout.ABANDONED_NAME} if marker.rank is None and layout.ABANDONED_NAME in listing else set()
+            abandoned = claim.abandoned if listing is None else layout.ABANDONED_NAME in listing
+            stale = {layout.ABANDONED_NAME} if marker.rank is None and abandoned else set()
             publish.remove_superseded(volume, (superseded - set(records)) | stale)
         finally:
             marker.remove(volume)

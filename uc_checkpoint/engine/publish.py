@@ -5,9 +5,13 @@ each can be tested on any :class:`~uc_checkpoint.volumes.Volume`):
 
 1. :func:`begin_save` (before any data file exists): refuse a location that holds foreign files or,
    without ``overwrite``, a published checkpoint; abort multipart uploads a killed save left; write
-   this save's :class:`SaveMarker`.
-2. :func:`check_data_files` and :func:`check_no_newer_save` (after every rank uploaded): every data
-   file is on the volume with its size, and no other save started here meanwhile.
+   this save's :class:`SaveMarker`, then the location's claim (:class:`Claim`).
+2. After every rank uploaded: :func:`check_claim`, the claim is still this save's (no other save
+   started here meanwhile); and where the volume does not vouch for its uploads
+   (``Volume.verifies_uploads``: local, FUSE, fsspec), :func:`check_data_files` and
+   :func:`check_no_newer_save` on a listing: every data file is there with its size, and no newer
+   save's marker. On S3 each upload was verified by its own answer (or a HEAD), so no listing
+   runs between the last upload and the publish: a HEAD of the claim is the only request there.
 3. :func:`read_published` then :func:`publish_metadata`: the ``.metadata`` there is still the one
    seen at step 1; the new one is published in one atomic write and read back.
 4. :func:`remove_superseded`: the replaced checkpoint's data files go, best effort.
@@ -70,13 +74,25 @@ class SaveMarker:
         parsed = layout.parse_save_marker(name)
         return None if parsed is None else cls(*parsed)
 
-    def write(self, volume: Volume, save_id: str) -> None:
-        """Put the marker on ``volume``: a few bytes of JSON (save id, host, pid, start time).
+    def body(self, save_id: str) -> bytes:
+        """The marker's (and the claim's) content: a few bytes of JSON (token, save id, host, pid,
+        start time)."""
+        return json.dumps(
+            {
+                "token": self.token,
+                "save_id": save_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": time.time(),
+            }
+        ).encode()
+
+    def write(self, volume: Volume, save_id: str, body: bytes | None = None) -> None:
+        """Put the marker on ``volume``: ``body``, by default :meth:`body`.
 
         The name carries this save's random token, so a plain PUT cannot clobber another marker
         (a conditional one would fail on S3-compatible stores without If-None-Match support)."""
-        marker = {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        volume.publish_bytes(self.name(), json.dumps(marker).encode(), overwrite=True)
+        volume.publish_bytes(self.name(), body if body is not None else self.body(save_id), overwrite=True)
 
     def remove(self, volume: Volume) -> None:
         """Delete the marker; best effort: a leftover marker is harmless and gc removes it."""
@@ -84,6 +100,24 @@ class SaveMarker:
             volume.delete(self.name())
         except Exception as exc:  # noqa: BLE001 - see the docstring
             logger.warning("could not delete the save marker %s: %s", volume.url_of(self.name()), exc)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What :func:`begin_save` found and wrote at a location.
+
+    Attributes:
+        published: the :func:`digest` of the ``.metadata`` published there when the save began
+            (``""`` for none).
+        tag: the store's version tag (S3: ETag) of the claim this save wrote, None where the
+            volume has none (then :func:`check_claim` reads the claim back).
+        abandoned: whether a rollback's abandonment marker was there (it annotates the checkpoint
+            being replaced and goes with it).
+    """
+
+    published: str
+    tag: str | None = None
+    abandoned: bool = False
 
 
 def digest(raw: bytes | None) -> str:
@@ -98,12 +132,13 @@ def begin_save(
     *,
     overwrite: bool,
     create_parents: bool,
-) -> str:
-    """Claim ``volume`` for a save, before any of its data files is written.
+) -> Claim:
+    """Claim ``volume`` for a save, before any of its data files is written: one listing, the
+    marker's PUT and the claim's PUT (and a GET of a published ``.metadata`` being replaced).
 
-    Returns the :func:`digest` of the save's ``.metadata`` (``marker.metadata_name()``) published
-    there now (``""`` for none), for :func:`read_published` to tell whether another save published
-    meanwhile.
+    Returns the :class:`Claim`: the :func:`digest` of the save's ``.metadata``
+    (``marker.metadata_name()``) published there now, for :func:`read_published` to tell whether
+    another save published meanwhile, and the claim's tag for :func:`check_claim`.
 
     Raises:
         VolumeError: from ``prepare_for_write`` (the location is a file, unwritable, ...).
@@ -136,18 +171,22 @@ def begin_save(
         aborted = volume.abort_incomplete_uploads(older_than_s=LIVE_UPLOAD_S)
         if aborted:
             logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
-    marker.write(volume, save_id)
-    return published
+    body = marker.body(save_id)
+    marker.write(volume, save_id, body)
+    tag = volume.write_tagged(layout.claim_name(marker.rank), body)
+    return Claim(published, tag, layout.ABANDONED_NAME in files)
 
 
 def check_data_files(
-    volume: Volume, listing: Mapping[str, int], sizes: Mapping[str, int], referenced: Iterable[str]
+    volume: Volume, listing: Mapping[str, int] | None, sizes: Mapping[str, int], referenced: Iterable[str]
 ) -> None:
     """Every data file must be on the volume, whole, before ``.metadata`` exists.
 
     Args:
         listing: the location's files and sizes (bytes), those in spread prefixes included
-            (:func:`uc_checkpoint.engine.listing.checkpoint_files`).
+            (:func:`uc_checkpoint.engine.listing.checkpoint_files`); None on a volume whose
+            uploads were each verified by the store (``Volume.verifies_uploads``), where only the
+            upload records are checked.
         sizes: each uploaded file's size in bytes, as its upload recorded it.
         referenced: every file name the new ``.metadata`` points at.
 
@@ -155,10 +194,11 @@ def check_data_files(
         TransferError: a file has another size on the volume than uploaded (or is missing), or a
             referenced file has no upload record.
     """
+    on_volume = listing if listing is not None else sizes  # verified uploads: their own records
     for name, size in sizes.items():
-        if listing.get(name) != size:
+        if on_volume.get(name) != size:
             raise TransferError(
-                f"not publishing {volume.url}: {volume.url_of(name)} has {listing.get(name)} bytes on the volume, expected {size}"
+                f"not publishing {volume.url}: {volume.url_of(name)} has {on_volume.get(name)} bytes on the volume, expected {size}"
             )
     for name in set(referenced) - sizes.keys():
         raise TransferError(f"not publishing {volume.url}: no upload record for {name}")
@@ -195,20 +235,51 @@ def check_no_newer_save(volume: Volume, listing: Mapping[str, int], mine: SaveMa
         )
 
 
+def check_claim(volume: Volume, mine: SaveMarker, claim: Claim) -> None:
+    """Raise ConcurrentSaveError unless the location's claim is still the one this save wrote: the
+    last save to claim a location is the one that may publish there (see
+    :mod:`uc_checkpoint.format.layout`). One HEAD on S3 (the ETag its PUT got back); elsewhere, or
+    when the tags differ, the claim is read and its token compared (so a store whose HEAD reports
+    another form of the same ETag costs a GET, never a refused save).
+
+    Raises:
+        ConcurrentSaveError: another save claimed the location after this one, or the claim is gone.
+    """
+    name = layout.claim_name(mine.rank)
+    if claim.tag is not None and volume.tag_of(name) == claim.tag:
+        return
+    raw = volume.read_bytes(name)
+    try:
+        holder = json.loads(raw or b"null")
+    except ValueError:
+        holder = None
+    if isinstance(holder, dict) and holder.get("token") == mine.token:
+        return
+    found = "it is gone" if raw is None else f"claimed by {_writer_of(raw) or 'an unreadable writer'}"
+    raise ConcurrentSaveError(
+        f"not publishing {volume.url}: another save started at this location while this one ran "
+        f"({volume.url_of(name)}: {found}); the newer save publishes, this one is abandoned"
+    )
+
+
 def read_published(
     volume: Volume,
     name: str,
-    listing: Mapping[str, int],
+    listing: Mapping[str, int] | None,
     expected_digest: str | None,
     read_manifest: ManifestReader,
 ) -> bytes | None:
     """The ``.metadata`` published as ``name`` now (None for none), checked to be the one
-    :func:`begin_save` saw (its digest ``expected_digest``; None: not checked).
+    :func:`begin_save` saw (its digest ``expected_digest``; None: not checked). ``listing``: the
+    location's files when listed (``name`` is read only if there); None: a size lookup (a HEAD on
+    S3) tells whether to read it.
 
     Raises:
         ConcurrentSaveError: another save published ``name`` (or deleted it) while this one ran.
     """
-    current = volume.read_bytes(name) if name in listing else None
+    # Unlisted (S3): a HEAD first, so that the usual case (nothing published there) reads no body.
+    there = name in listing if listing is not None else volume.size(name) is not None
+    current = volume.read_bytes(name) if there else None
     if expected_digest is not None and digest(current) != expected_digest:
         raise ConcurrentSaveError(
             f"not publishing {volume.url}: another save published {volume.url_of(name)} while "
@@ -273,10 +344,20 @@ def _utc(seconds: Any) -> str:
 def describe_marker(volume: Volume, name: str) -> str:
     """Who wrote a save marker, in words, for error messages (its name alone when unreadable)."""
     try:
-        info = json.loads(volume.read_bytes(name) or b"{}")
-        return f"{volume.url_of(name)}: host {info['host']}, pid {info['pid']}, started {_utc(info['started'])}"
+        who = _writer_of(volume.read_bytes(name))
     except Exception:  # noqa: BLE001 - the marker may be gone or unreadable; its name still helps
-        return volume.url_of(name)
+        who = None
+    return f"{volume.url_of(name)}: {who}" if who else volume.url_of(name)
+
+
+def _writer_of(raw: bytes | None) -> str | None:
+    """Who wrote a marker's or claim's JSON (:meth:`SaveMarker.body`), in words; None when it
+    cannot be told."""
+    try:
+        info = json.loads(raw or b"{}")
+        return f"host {info['host']}, pid {info['pid']}, started {_utc(info['started'])}"
+    except Exception:  # noqa: BLE001 - gone, written by something else, or damaged
+        return None
 
 
 def describe_publisher(raw: bytes | None, read_manifest: ManifestReader) -> str:
@@ -293,9 +374,11 @@ def describe_publisher(raw: bytes | None, read_manifest: ManifestReader) -> str:
 
 __all__ = [
     "LIVE_UPLOAD_S",
+    "Claim",
     "ManifestReader",
     "SaveMarker",
     "begin_save",
+    "check_claim",
     "check_data_files",
     "check_no_newer_save",
     "describe_marker",

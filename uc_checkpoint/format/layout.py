@@ -28,13 +28,23 @@ the number of prefixes in lower-case hex, of a fixed width (``0``..``f`` for up 
 where the store can split its request capacity. DCP's ``.metadata`` records each file's path
 relative to the checkpoint (``_StorageInfo.relative_path``), and stock ``FileSystemReader`` /
 ``FsspecReader`` join it with the checkpoint's path, so they load such a checkpoint unchanged.
-``.metadata``, save markers and the abandonment marker always stay at the top of the location.
+``.metadata``, save markers, the claim and the abandonment marker always stay at the top of the
+location.
 
 While a save runs, its location also holds a save marker ``.uc-save-<save token>`` (``__<rank>.``
-in front for DCP's rank-local saves; a few bytes of JSON: host, pid, start time), written before any data file and deleted after the publish. Two saves
-at one location see each other's markers; the newer one (by the store's modification time) publishes,
-the older fails with :class:`~uc_checkpoint.errors.ConcurrentSaveError`. A killed save's marker is
-older than any later save, so it never blocks one; ``uc-checkpoint gc`` removes it.
+in front for DCP's rank-local saves; a few bytes of JSON: host, pid, start time), written before any
+data file and deleted after the publish: it tells ``uc-checkpoint gc`` and the next save that
+multipart uploads there may belong to a save in progress. Right after its marker, a save writes the
+location's claim ``.uc-claim`` (``__<rank>.uc-claim`` for a rank-local save; the same JSON with the
+save's token), replacing the one an earlier save left: the last save to claim the location is the
+only one that may publish there. Before publishing, a save checks that the claim is still its own
+(on S3 a HEAD whose ETag is the one its PUT got back; elsewhere by reading the token back), and
+where the volume lists cheaply or cannot be trusted to report its writes (local, FUSE and fsspec
+volumes) it also lists the location: every data file with its size, and no newer save's marker (by
+the store's modification time). Two saves at one location therefore agree on which publishes; the
+other fails with :class:`~uc_checkpoint.errors.ConcurrentSaveError`. A killed save's claim is
+replaced by the next save, so it never blocks one; ``uc-checkpoint gc`` removes a killed save's
+marker, and a claim stays with its location (removed with the checkpoint).
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
 _SPREAD_DIR = re.compile(r"^[0-9a-f]{1,2}/$")
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 _SAVE_MARKER = re.compile(r"^(?:__(\d+))?\.uc-save-([0-9a-f]{8,32})$")
+_CLAIM = re.compile(r"^(?:__\d+)?\.uc-claim$")
 
 
 def spread_count(option: int | None, world_size: int, *, partitioned_store: bool) -> int:
@@ -143,7 +154,19 @@ def is_checkpoint_file(name: str) -> bool:
         or bool(_RANK_METADATA.match(name))
         or bool(_TEMP.match(name))
         or bool(_SAVE_MARKER.match(name))
+        or bool(_CLAIM.match(name))
     )
+
+
+def claim_name(rank: int | None = None) -> str:
+    """Name of a location's claim (see the module docstring): ``.uc-claim``, or
+    ``__<rank>.uc-claim`` for a rank-local save (no collectives)."""
+    return ".uc-claim" if rank is None else f"__{rank}.uc-claim"
+
+
+def is_claim(name: str) -> bool:
+    """Whether ``name`` is a location's claim (of the collective save or of one rank's)."""
+    return bool(_CLAIM.match(name))
 
 
 def save_marker_name(save_token: str, rank: int | None = None) -> str:

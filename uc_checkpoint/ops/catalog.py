@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from uc_checkpoint.dcp.metadata_io import data_file_names, manifest_of, read_metadata, referenced_files
 from uc_checkpoint.engine.listing import checkpoint_entries, checkpoint_files
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
-from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME, is_checkpoint_file
+from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME, is_checkpoint_file, is_claim
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops.lineage import abandonment_of
 from uc_checkpoint.volumes import Volume, open_volume
@@ -266,7 +266,9 @@ def inspect_step(
         # beside it stay until gc and made it look larger (and newer) than it is. Unreferenced is
         # gc's rule: names a save writes that this .metadata does not need.
         own = {METADATA_NAME, ABANDONED_NAME, *data_file_names(metadata)}
-        unreferenced = {n: size for n, size in files.items() if n not in own and is_checkpoint_file(n)}
+        unreferenced = {
+            n: size for n, size in files.items() if n not in own and is_checkpoint_file(n) and not is_claim(n)
+        }
         out = replace(
             out,
             **_counts({n: size for n, size in files.items() if n in own}, mtimes, stamp),

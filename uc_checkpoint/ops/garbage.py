@@ -23,7 +23,7 @@ from uc_checkpoint.dcp.metadata_io import data_file_names, read_metadata
 from uc_checkpoint.engine.listing import checkpoint_entries, remove_empty_spread_dirs
 from uc_checkpoint.engine.staging_dir import default_staging_root
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
-from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file
+from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file, is_claim
 from uc_checkpoint.ops.catalog import list_steps, open_root
 from uc_checkpoint.volumes import Volume
 
@@ -78,8 +78,11 @@ def _collect_location(
             report.spared_locations.append(location.url)
             return
         needed = data_file_names(metadata)
-        # A rollback's marker belongs to the published checkpoint (uc_checkpoint.ops.lineage).
-        candidates = {n for n in sizes if n not in (METADATA_NAME, ABANDONED_NAME) and n not in needed}
+        # A rollback's marker belongs to the published checkpoint (uc_checkpoint.ops.lineage), and
+        # the claim to the location (the next save's check reads it; format.layout).
+        candidates = {
+            n for n in sizes if n not in (METADATA_NAME, ABANDONED_NAME) and not is_claim(n) and n not in needed
+        }
     else:
         candidates = set(sizes)
     if not candidates:

@@ -349,6 +349,32 @@ class Volume(ABC):
     def read_bytes(self, name: str) -> bytes | None:
         """The whole content of a small file, or ``None`` if it does not exist."""
 
+    #: Whether :meth:`upload_file`'s record is the store's own word that the file is there whole
+    #: (an object store's answer to the upload, or a HEAD after it, on a read-after-write
+    #: consistent store): a save then publishes without listing its data files again. False where a
+    #: write can be reported done and lost (FUSE mounts) or the check is not made (fsspec).
+    verifies_uploads: bool = False
+
+    def write_tagged(self, name: str, data: bytes) -> str | None:
+        """Write a small file, replacing it (as :meth:`publish_bytes`), and return the store's
+        version tag of what was written (an object store's ETag), or None where the volume has no
+        tags (then :meth:`tag_of` gives None too, and callers read the content back instead).
+
+        Raises:
+            TransferError: the write failed.
+        """
+        self.publish_bytes(name, data, overwrite=True)
+        return None
+
+    def tag_of(self, name: str) -> str | None:
+        """The version tag of ``name`` now (see :meth:`write_tagged`), None for a missing file or a
+        volume without tags. One request on an object store (HEAD), no body read.
+
+        Raises:
+            TransferError / VolumeError: the store could not be asked.
+        """
+        return None
+
     @abstractmethod
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
         """Write a small file so that readers see either the old content or all of the new one.

@@ -278,6 +278,7 @@ class S3Volume(Volume):
 
     prefers_ranged_reads = True
     partitions_by_prefix = True
+    verifies_uploads = True  # every upload: CRC-32 in the PUT's answer, or a HEAD (_verify_upload)
 
     def __init__(
         self,
@@ -789,6 +790,26 @@ class S3Volume(Volume):
         # that of stores that keep no checksums), is the store's own word that they are what a GET
         # now returns, so the publish needs no read-back. Another ETag proves nothing either way.
         return bool(reported) or _etag_is_md5_of(response.get("ETag"), data)
+
+    def write_tagged(self, name: str, data: bytes) -> str | None:
+        where = self.url_of(name)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
+        if self._send_checksums():
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+        try:
+            response = self.client.put_object(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"writing {where} failed: {exc}{_hint(exc)}") from exc
+        return response.get("ETag")
+
+    def tag_of(self, name: str) -> str | None:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:  # noqa: BLE001
+            if _is_missing(exc):
+                return None
+            raise TransferError(f"HEAD {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
+        return head.get("ETag")
 
     def delete(self, name: str) -> None:
         try:
