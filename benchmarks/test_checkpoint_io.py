@@ -181,7 +181,9 @@ def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch:
     monkeypatch.setattr(case.dcp, "async_save", async_save)
     monkeypatch.setattr(case.dcp, "load", load)
     dest = str(tmp_path / "ckpt")
-    args = argparse.Namespace(case="uc", dest=dest, visible=dest + "/.metadata", kind="gpt", size_mb=2, timeout=60.0)
+    args = argparse.Namespace(
+        case="uc", dest=dest, visible=dest + "/.metadata", kind="gpt", size_mb=2, timeout=60.0, kept_buffers=False
+    )
     out = case.run_save_load(args, state.build("gpt", 2 << 20, None), None, 0)
 
     assert out["verified"] and out["load_s"] > 0

@@ -129,7 +129,7 @@ def test_local_spread_checkpoint_loads_with_the_stock_reader_and_every_tool_sees
     manager.save(1, state(1))
     step1 = root / "step_00000001"
     assert [p.split("/")[0] for p in data_files(step1)] == ["0"] * 4  # rank 0 -> "0/", one file per tensor
-    assert sorted(os.listdir(step1)) == [".metadata", "0"]
+    assert sorted(os.listdir(step1)) == [".metadata", ".uc-claim", "0"]
 
     stock = blank()
     dcp.load(stock, storage_reader=FileSystemReader(step1))
@@ -143,7 +143,9 @@ def test_local_spread_checkpoint_loads_with_the_stock_reader_and_every_tool_sees
     files = describe_checkpoint(str(step1), data_state=False)["files"]
     assert list(files) == ["0"] and [f["name"].split("/")[0] for f in files["0"]] == ["0"] * 4  # by rank
     (summary,) = list_root(str(root))
-    on_disk = sum(p.stat().st_size for p in step1.rglob("*") if p.is_file())
+    on_disk = sum(
+        p.stat().st_size for p in step1.rglob("*") if p.is_file() and p.name != ".uc-claim"
+    )  # the checkpoint's own
     assert (summary.state, summary.files, summary.bytes) == ("complete", 4, on_disk)
 
     # Retention deletes the old checkpoint whole, its spread prefix included.
@@ -172,7 +174,11 @@ def test_gc_collects_an_unpublished_spread_location(tmp_path: Path, staging: Pat
     for path in location.rglob("*"):
         os.utime(path, (old, old))
     report = collect_garbage(str(root), grace_s=60, include_staging=False)
-    assert len(report.deleted_files) == 4 and all("/step_00000005/0/__0_" in f for f in report.deleted_files)
+    # the four data files, and the killed save's claim with its location
+    assert (
+        sorted(f.rsplit("/step_00000005/", 1)[1].split("/")[0] for f in report.deleted_files)
+        == [".uc-claim"] + ["0"] * 4
+    )
     assert not location.exists()  # the spread prefix, then the location, removed once empty
 
 

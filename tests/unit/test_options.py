@@ -15,7 +15,8 @@ from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
 
-MANAGER_OWNED = {"self", "path", "staging_dir", "volume_options"}
+# staging_buffers: an object kept across saves (CheckpointManager(reuse_staging_buffers=True) owns one)
+MANAGER_OWNED = {"self", "path", "staging_dir", "volume_options", "staging_buffers"}
 
 
 @pytest.mark.parametrize(("options", "component"), [(WriterOptions, UCVolumeWriter), (ReaderOptions, UCVolumeReader)])

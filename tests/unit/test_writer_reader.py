@@ -232,7 +232,8 @@ def test_publish_without_rename(tmp_path: Path, staging: Path, monkeypatch: pyte
     dest = tmp_path / "ckpt"
     sd = make_state_dict(11)
     dcp.save(sd, storage_writer=UCVolumeWriter(dest))
-    assert sorted(p.name for p in dest.iterdir() if not p.name.endswith(".distcp")) == [".metadata"]
+    # no temp file left behind: the checkpoint and the location's claim
+    assert sorted(p.name for p in dest.iterdir() if not p.name.endswith(".distcp")) == [".metadata", ".uc-claim"]
     out = empty_like_state_dict(sd)
     dcp.load(out, storage_reader=FileSystemReader(dest))
     assert_state_dict_equal(out, sd)
