@@ -443,6 +443,9 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
     mach = raw["machine"]
     cores = mach.get("cores", "?")
     a = raw["args"]
+    # The FUSE client's version only where a case ran through it.
+    fuse_ran = any(r.get("name", "").endswith("-s3fs") for r in raw["results"])
+    fuse = f", {mach['s3fs_fuse']}" if fuse_ran and mach.get("s3fs_fuse") else ""
     lines = [
         "# Benchmarks",
         "",
@@ -452,7 +455,7 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         "",
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, Linux {mach['kernel']}; "
         f"Python {mach['python']}, torch {mach['torch']}, boto3 {mach['boto3']}, moto {mach['moto']} (S3 server "
-        f"on 127.0.0.1, objects in memory, sharing the cores with the client), {mach['s3fs_fuse']}. "
+        f"on 127.0.0.1, objects in memory, sharing the cores with the client){fuse}. "
         f"Run {mach['date']}: state-dict kinds and requested sizes {', '.join(_kind_sizes(a))} (actual sizes "
         f"below), ranks {', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
         "",

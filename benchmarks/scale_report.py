@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -557,7 +558,8 @@ def write_plots(data: dict[str, Any], plots_dir: Path, rel_to: Path) -> dict[str
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=80)
         plt.close(fig)
-        out[sweep] = str(path.relative_to(rel_to)) if path.is_relative_to(rel_to) else str(path)
+        # relative whatever the two folders: a report written outside docs/ still finds its plots
+        out[sweep] = Path(os.path.relpath(path.resolve(), rel_to.resolve())).as_posix()
     return out
 
 
@@ -614,11 +616,7 @@ def splice(text: str, block: list[str]) -> str:
 
 def update_main_report(main_report: Path, data: dict[str, Any], scale_report: Path) -> None:
     """Put the Scale block into ``main_report`` (created with just that block when missing)."""
-    rel = (
-        scale_report.relative_to(main_report.parent)
-        if scale_report.is_relative_to(main_report.parent)
-        else scale_report
-    )
+    rel = Path(os.path.relpath(scale_report.resolve(), main_report.parent.resolve())).as_posix()
     text = main_report.read_text() if main_report.exists() else "# Benchmarks\n"
     main_report.write_text(splice(text, main_report_block(data, str(rel))))
 

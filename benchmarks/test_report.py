@@ -83,7 +83,7 @@ def test_ratios_are_medians_per_size(tmp_path: Path) -> None:
             "torch": "t",
             "boto3": "b",
             "moto": "m",
-            "s3fs_fuse": "s",
+            "s3fs_fuse": "s3fs-fuse 9.9",
         },
         "args": {"size_mb": 256, "kinds": ["gpt:256", "gpt:1024"], "ranks": [1], "repeats": 3},
         "results": results,
@@ -92,6 +92,10 @@ def test_ratios_are_medians_per_size(tmp_path: Path) -> None:
     text = report.read_text()
     assert "## gpt, 256 MiB, 1 rank, moto store" in text and "## gpt, 1024 MiB, 1 rank, moto store" in text
     assert "requested sizes gpt:256, gpt:1024" in text
+    assert "with the client), s3fs-fuse 9.9. Run" in text  # fs-s3fs ran: its FUSE client is named
+    raw["results"] = [r for r in results if not r["name"].endswith("-s3fs")]
+    write_report(raw, report)
+    assert "s3fs-fuse 9.9" not in report.read_text() and "with the client). Run" in report.read_text()
 
 
 def test_kind_specs() -> None:

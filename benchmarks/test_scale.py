@@ -175,3 +175,14 @@ def test_a_cost_that_grows_only_as_fast_as_the_store_is_not_ours() -> None:
     assert alone.flagged
     faster = Series("size", "load s", "MiB", xs, [0.7, 3.7, 30.0], 1, reference=store)
     assert faster.flagged, "steeper than the store's own download is still ours"
+
+
+def test_links_stay_relative_when_the_reports_live_apart(tmp_path: Path) -> None:
+    # The scale report written outside the main report's folder (e.g. a scratch run): the main
+    # report's link goes up and across, never an absolute path of this machine.
+    data = _data([3, 3, 3], [2, 2, 2])
+    (tmp_path / "docs").mkdir()
+    main = tmp_path / "docs" / "benchmarks.md"
+    update_main_report(main, data, tmp_path / "scratch" / "scale.md")
+    text = main.read_text()
+    assert "(../scratch/scale.md)" in text and str(tmp_path) not in text

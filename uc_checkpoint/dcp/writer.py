@@ -572,10 +572,13 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         claim = self._save.claimed()
         volume, marker = self.volume, self._save.marker()
         storage_md, records = split_results(results)
-        # A volume that verified every upload (S3) is not listed again: one LIST per 1,000 files
-        # (and per spread prefix) between the last upload and the publish, where the claim's HEAD
-        # tells what the listing's markers told. Elsewhere (local, FUSE, fsspec) the listing stays.
-        listing = None if volume.verifies_uploads else checkpoint_files(volume)  # spread prefixes too
+        # Files this process uploaded to a volume that verified every upload (S3) are not listed
+        # again: one LIST per 1,000 files (and per spread prefix) between the last upload and the
+        # publish, where the claim's HEAD tells what the listing's markers told. Other ranks' files
+        # are listed, as on every other volume (local, FUSE, fsspec): a rank whose store settings
+        # differ (another endpoint on one node) verified its uploads against another store.
+        own_files_only = len(results) == 1
+        listing = None if volume.verifies_uploads and own_files_only else checkpoint_files(volume)
         referenced = {info.relative_path for info in storage_md.values()}
         publish.check_data_files(volume, listing, {name: r.size for name, r in records.items()}, referenced)
         try:

@@ -7,11 +7,11 @@ each can be tested on any :class:`~uc_checkpoint.volumes.Volume`):
    without ``overwrite``, a published checkpoint; abort multipart uploads a killed save left; write
    this save's :class:`SaveMarker`, then the location's claim (:class:`Claim`).
 2. After every rank uploaded: :func:`check_claim`, the claim is still this save's (no other save
-   started here meanwhile); and where the volume does not vouch for its uploads
-   (``Volume.verifies_uploads``: local, FUSE, fsspec), :func:`check_data_files` and
-   :func:`check_no_newer_save` on a listing: every data file is there with its size, and no newer
-   save's marker. On S3 each upload was verified by its own answer (or a HEAD), so no listing
-   runs between the last upload and the publish: a HEAD of the claim is the only request there.
+   started here meanwhile); and, unless the volume vouches for uploads (``Volume.verifies_uploads``:
+   S3) that this process made itself (one writer: one rank, or a rank-local save),
+   :func:`check_data_files` and :func:`check_no_newer_save` on a listing: every data file is there
+   with its size, and no newer save's marker. A single writer on S3 verified each upload by its
+   own answer (or a HEAD), so no listing runs between its last upload and the publish.
 3. :func:`read_published` then :func:`publish_metadata`: the ``.metadata`` there is still the one
    seen at step 1; the new one is published in one atomic write and read back.
 4. :func:`remove_superseded`: the replaced checkpoint's data files go, best effort.
