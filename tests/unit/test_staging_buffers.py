@@ -204,10 +204,9 @@ def test_a_save_still_serialising_keeps_its_buffers(tmp_path: Path, staging: Pat
 
 
 def test_the_manager_keeps_buffers_when_asked(tmp_path: Path, staging: Path) -> None:
-    with pytest.raises(ValueError, match="reuse_staging_buffers=True needs async_save=True and async_staging=False"):
-        CheckpointManager(tmp_path / "x", async_save=False, reuse_staging_buffers=True)
-    with pytest.raises(ValueError, match="reuse_staging_buffers=True needs"):
-        CheckpointManager(tmp_path / "x", async_staging=True, reuse_staging_buffers=True)
+    for bad in ({"async_save": False}, {"async_staging": True}, {"async_mode": "process"}):
+        with pytest.raises(ValueError, match="reuse_staging_buffers=True needs async_save=True, async_staging=False"):
+            CheckpointManager(tmp_path / "x", reuse_staging_buffers=True, **bad)
     manager = CheckpointManager(str(tmp_path / "run"), reuse_staging_buffers=True)
     sd = {"w": torch.arange(BIG, dtype=torch.float32)}
     for step in (1, 2):
