@@ -334,6 +334,37 @@ def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
     assert not stale
 
 
+def test_a_dropped_async_saves_buffers_are_never_copied_into_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An entry no save's thread claimed in time is dropped; its thread may only be slow and still
+    # hold the snapshot, so the next save must not copy into those tensors (it gets new memory).
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from uc_checkpoint import StagingBuffers
+    from uc_checkpoint.dcp import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "UNCLAIMED_WAIT_S", 0.2)
+    pool = StagingBuffers()
+    writer = UCVolumeWriter(tmp_path / "A", staging_buffers=pool)
+    seen: list[int] = []
+    real = writer_module.cpu_snapshot
+
+    def snapshot(state: Any, buffers: Any = None) -> Any:
+        out = real(state, buffers)
+        seen.append(out["w"].data_ptr())
+        return out
+
+    monkeypatch.setattr(writer_module, "cpu_snapshot", snapshot)
+    big = torch.ones(1 << 16)
+    with pytest.raises(ValueError, match="process group"):  # fails after our stage(): never claimed
+        dcp.async_save({"w": big}, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    writer.reset(tmp_path / "B")
+    dcp.async_save({"w": big * 2}, storage_writer=writer, no_dist=True).result(timeout=60)
+    assert len(seen) == 2 and seen[1] != seen[0]  # the dropped snapshot's tensor was not reused
+    assert pool.nbytes == (1 << 16) * 4  # the second save's set is kept
+
+
 def _open_tickets(where: Path) -> list[Any]:
     """Exit tickets for ``where`` not yet ended (ended, not over: a ticket also counts as over when
     no thread runs it or from its own thread)."""
