@@ -4,8 +4,11 @@ is wholly the newer one's. Each job is a real process (forked, so torch is alrea
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -15,8 +18,10 @@ import torch.distributed.checkpoint as dcp
 
 from tests.conftest import wait_for
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.errors import ConcurrentSaveError, rank_error
 from uc_checkpoint.format.layout import parse_save_marker
 from uc_checkpoint.ops.garbage import collect_garbage
+from uc_checkpoint.volumes import LocalVolume
 
 CTX = mp.get_context("fork")
 
@@ -160,3 +165,61 @@ def test_rank_local_saves_of_one_job_do_not_conflict(tmp_path: Path, staging: Pa
     names = sorted(os.listdir(dest))
     assert "__0.metadata" in names and "__1.metadata" in names, names
     assert not [n for n in names if parse_save_marker(n)], names
+
+
+class _Held:
+    """Serialised only once ``release`` is set (after setting ``reached``): holds a save in its
+    write step, in this process (threads, not jobs)."""
+
+    def __init__(self, reached: threading.Event, release: threading.Event) -> None:
+        self.reached, self.release = reached, release
+
+    def __getstate__(self) -> dict:
+        self.reached.set()
+        assert self.release.wait(60), "the test never released the held save"
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.reached = self.release = threading.Event()
+
+
+class _ClockSkewVolume(LocalVolume):
+    """After writing its claim, makes the other save's marker look newer by the store's clock (a
+    store clock of one-second resolution, or two hosts' writes within one tick, give such ties)."""
+
+    def write_tagged(self, name: str, data: bytes) -> str | None:
+        tag = super().write_tagged(name, data)
+        mine = json.loads(data)["token"]
+        for path in Path(self.url).iterdir():
+            parsed = parse_save_marker(path.name)
+            if parsed is not None and parsed[1] != mine:
+                future = time.time() + 3600
+                os.utime(path, (future, future))
+        return tag
+
+
+def test_a_marker_clock_that_disagrees_with_the_claims_never_refuses_both(tmp_path: Path, staging: Path) -> None:
+    # A claims and is held in its write step; B claims after it (so B publishes), but A's marker
+    # looks newer by the clock. Judged by markers too, B would be refused and A (whose claim B
+    # replaced) as well: nothing published. Judged by the claim alone, exactly B publishes.
+    dest = tmp_path / "ckpt"
+    reached, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def save_a() -> None:
+        sd = {**job_state(1.0), "held": _Held(reached, release)}
+        try:
+            dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=64 << 10, sync_files=False))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=save_a)
+    thread.start()
+    try:
+        assert reached.wait(60)
+        dcp.save(job_state(2.0), storage_writer=UCVolumeWriter(_ClockSkewVolume(dest), sync_files=False))
+    finally:
+        release.set()
+        thread.join(60)
+    assert len(errors) == 1 and isinstance(rank_error(errors[0]), ConcurrentSaveError), errors
+    assert torch.equal(load(dest)["w"], torch.full((64, 1024), 2.0))

@@ -334,6 +334,30 @@ def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
     assert not stale
 
 
+def test_a_dropped_async_saves_buffers_are_never_copied_into_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An entry no save's thread claimed in time is dropped by the next stage(); its thread may only
+    # be slow and still hold the snapshot, so the next save must not copy into those tensors.
+    from uc_checkpoint import StagingBuffers
+    from uc_checkpoint.dcp import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "UNCLAIMED_WAIT_S", 0.2)
+    pool = StagingBuffers()
+    warm = UCVolumeWriter(tmp_path / "warm", staging_buffers=pool)
+    dcp.async_save({"w": torch.zeros(1 << 16)}, storage_writer=warm, no_dist=True).result(timeout=60)
+    writer = UCVolumeWriter(tmp_path / "A", staging_buffers=pool)
+    # As async_save stages; no save's thread follows. Only the tensor is kept here: a frame holding
+    # the staged dict would be taken for that save's own thread.
+    held = writer.stage({"w": torch.ones(1 << 16)})["w"]
+    assert pool.nbytes == 0  # lent to that snapshot
+    # the next save (no tensors: it keeps no set of its own) drops that entry, then one more save
+    dcp.async_save({"step": 2}, storage_writer=writer, no_dist=True).result(timeout=60)
+    dcp.async_save({"w": torch.full((1 << 16,), 3.0)}, storage_writer=writer, no_dist=True).result(timeout=60)
+    assert torch.equal(held, torch.ones(1 << 16))  # the slow thread's snapshot is intact
+    assert pool.nbytes == (1 << 16) * 4  # the last save's own set is kept
+
+
 def _open_tickets(where: Path) -> list[Any]:
     """Exit tickets for ``where`` not yet ended (ended, not over: a ticket also counts as over when
     no thread runs it or from its own thread)."""

@@ -132,8 +132,8 @@ def manager_round_trip(root: str, mode: str, mesh: object) -> None:
 
 def manager_reuse_round_trip(root: str, mode: str, mesh: object) -> None:
     """CheckpointManager(reuse_staging_buffers=True): the second save copies into the first's
-    buffers (THREAD mode; PROCESS mode hands each snapshot to its daemon and keeps none), and each
-    checkpoint holds its own step's values."""
+    buffers, and each checkpoint holds its own step's values (THREAD mode only: the manager refuses
+    the option in PROCESS mode, which hands each snapshot to DCP's daemon)."""
     rank = dist.get_rank()
     manager = CheckpointManager(f"{root}/manager-reuse-{mode}", reuse_staging_buffers=True, async_mode=mode)
     sd, first = state(mesh, rank, 4), state(mesh, rank, 4)
@@ -146,7 +146,7 @@ def manager_reuse_round_trip(root: str, mode: str, mesh: object) -> None:
         local(sd["model"]["w"]).add_(1000.0)
     manager.wait()
     held = manager._staging_buffers.nbytes if manager._staging_buffers is not None else -1
-    assert (held > 0) == (mode == "thread"), f"manager-reuse {mode}: {held} bytes kept"
+    assert held > 0, f"manager-reuse {mode}: {held} bytes kept"
     out = state(mesh, rank, 99)
     manager.load(out, step=1)
     assert torch.equal(out["model"]["w"].full_tensor(), first["model"]["w"].full_tensor()), f"reuse {mode}: w@1"
@@ -167,7 +167,8 @@ def main() -> None:
         for name in STAGERS:
             round_trip(root, mode, name, mesh)
         manager_round_trip(root, mode, mesh)
-        manager_reuse_round_trip(root, mode, mesh)
+        if mode == "thread":
+            manager_reuse_round_trip(root, mode, mesh)
     dist.destroy_process_group()
 
 

@@ -102,6 +102,20 @@ def test_a_changed_tensor_gets_new_memory_and_the_rest_is_reused() -> None:
     assert [t.data_ptr() for t in _tensors(again)] == now and third.reused == 7
 
 
+def test_an_empty_lease_never_drops_a_set_given_back_meanwhile() -> None:
+    pool = StagingBuffers()
+    first = pool.lease()
+    cpu_snapshot(_state(), first)
+    first.release()
+    holder = pool.lease()  # takes the kept set
+    cpu_snapshot(_state(), holder)
+    latecomer = pool.lease()  # offered nothing: the set is lent
+    holder.release()
+    held = pool.nbytes
+    latecomer.cancel()  # its snapshot failed: it had nothing to give back
+    assert held > 0 and pool.nbytes == held
+
+
 def test_a_failed_snapshot_gives_its_offered_set_back() -> None:
     class Unpicklable:
         def __deepcopy__(self, memo: dict) -> Any:
@@ -204,10 +218,9 @@ def test_a_save_still_serialising_keeps_its_buffers(tmp_path: Path, staging: Pat
 
 
 def test_the_manager_keeps_buffers_when_asked(tmp_path: Path, staging: Path) -> None:
-    with pytest.raises(ValueError, match="reuse_staging_buffers=True needs async_save=True and async_staging=False"):
-        CheckpointManager(tmp_path / "x", async_save=False, reuse_staging_buffers=True)
-    with pytest.raises(ValueError, match="reuse_staging_buffers=True needs"):
-        CheckpointManager(tmp_path / "x", async_staging=True, reuse_staging_buffers=True)
+    for bad in ({"async_save": False}, {"async_staging": True}, {"async_mode": "process"}):
+        with pytest.raises(ValueError, match="reuse_staging_buffers=True needs async_save=True, async_staging=False"):
+            CheckpointManager(tmp_path / "x", reuse_staging_buffers=True, **bad)
     manager = CheckpointManager(str(tmp_path / "run"), reuse_staging_buffers=True)
     sd = {"w": torch.arange(BIG, dtype=torch.float32)}
     for step in (1, 2):

@@ -32,7 +32,7 @@ class StagingBuffers:
     """A set of CPU tensors kept between async saves of the same state dict.
 
     Pass one object to every writer of a training run (or let :class:`~uc_checkpoint.CheckpointManager`
-    keep it: ``staging_buffers=True``)::
+    keep it: ``reuse_staging_buffers=True``)::
 
         buffers = StagingBuffers()
         for step in ...:
@@ -72,7 +72,10 @@ class StagingBuffers:
 
     def _give_back(self, buffers: list[_Buffer]) -> None:
         with self._lock:
-            self._idle = buffers
+            # An empty set (a lease that was offered nothing, or a state without tensors) never
+            # replaces a kept one that another save gave back meanwhile.
+            if buffers or not self._idle:
+                self._idle = buffers
 
     def __getstate__(self) -> dict[str, Any]:
         return {}

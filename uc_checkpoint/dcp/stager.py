@@ -83,10 +83,14 @@ def cpu_snapshot(state_dict: Any, buffers: BufferLease | None = None) -> Any:
     memo: dict[int, Any] = {}
     devices: set[torch.device] = set()
     copies = _CopyThreads(buffers)
-    out = _snapshot(state_dict, memo, devices, copies)
-    copies.run()
-    for device in devices:  # non-blocking copies into pinned memory must land before saving
-        getattr(torch, device.type).synchronize(device)
+    try:
+        out = _snapshot(state_dict, memo, devices, copies)
+        copies.run()
+    finally:
+        # Non-blocking copies into pinned memory must land before saving, and before a failed
+        # snapshot's kept buffers serve another one (whose copies may run on another stream).
+        for device in devices:
+            getattr(torch, device.type).synchronize(device)
     return out
 
 

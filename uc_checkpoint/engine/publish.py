@@ -7,11 +7,11 @@ each can be tested on any :class:`~uc_checkpoint.volumes.Volume`):
    without ``overwrite``, a published checkpoint; abort multipart uploads a killed save left; write
    this save's :class:`SaveMarker`, then the location's claim (:class:`Claim`).
 2. After every rank uploaded: :func:`check_claim`, the claim is still this save's (no other save
-   started here meanwhile); and, unless the volume vouches for uploads (``Volume.verifies_uploads``:
-   S3) that this process made itself (one writer: one rank, or a rank-local save),
-   :func:`check_data_files` and :func:`check_no_newer_save` on a listing: every data file is there
-   with its size, and no newer save's marker. A single writer on S3 verified each upload by its
-   own answer (or a HEAD), so no listing runs between its last upload and the publish.
+   started here meanwhile; the claim is the one judge of that, so two saves always agree); and,
+   unless the volume vouches for uploads (``Volume.verifies_uploads``: S3) that this process made
+   itself (one writer: one rank, or a rank-local save), :func:`check_data_files` on a listing:
+   every data file is there with its size. A single writer on S3 verified each upload by its own
+   answer (or a HEAD), so no listing runs between its last upload and the publish.
 3. :func:`read_published` then :func:`publish_metadata`: the ``.metadata`` there is still the one
    seen at step 1; the new one is published in one atomic write and read back.
 4. :func:`remove_superseded`: the replaced checkpoint's data files go, best effort.
@@ -204,37 +204,6 @@ def check_data_files(
         raise TransferError(f"not publishing {volume.url}: no upload record for {name}")
 
 
-def check_no_newer_save(volume: Volume, listing: Mapping[str, int], mine: SaveMarker) -> None:
-    """Raise ConcurrentSaveError when another save started at this location after this one.
-
-    Markers are ordered by the store's modification time (one clock for every job), ties by
-    name, so two saves agree on which is newer and exactly one of them publishes. A killed save's
-    marker is older than this save's, so it never blocks a resumed job re-saving a step. Only
-    markers of the same slot compete: the collective save's, or one rank's rank-local saves.
-
-    Args:
-        listing: the location's files (names; sizes unused), listed after this save's uploads.
-    """
-    own = mine.name()
-    others = sorted(
-        name
-        for name in listing
-        if name != own and (other := SaveMarker.parse(name)) is not None and other.rank == mine.rank
-    )
-    if not others:
-        return
-    mtimes = volume.list_mtimes()
-    if own not in mtimes:
-        newer = others  # cannot order without our own marker: assume the worst
-    else:
-        newer = [name for name in others if name in mtimes and (mtimes[name], name) > (mtimes[own], own)]
-    if newer:
-        raise ConcurrentSaveError(
-            f"not publishing {volume.url}: another save started at this location while this one ran "
-            f"({describe_marker(volume, newer[-1])}); the newer save publishes, this one is abandoned"
-        )
-
-
 def check_claim(volume: Volume, mine: SaveMarker, claim: Claim) -> None:
     """Raise ConcurrentSaveError unless the location's claim is still the one this save wrote: the
     last save to claim a location is the one that may publish there (see
@@ -341,15 +310,6 @@ def _utc(seconds: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(seconds)))
 
 
-def describe_marker(volume: Volume, name: str) -> str:
-    """Who wrote a save marker, in words, for error messages (its name alone when unreadable)."""
-    try:
-        who = _writer_of(volume.read_bytes(name))
-    except Exception:  # noqa: BLE001 - the marker may be gone or unreadable; its name still helps
-        who = None
-    return f"{volume.url_of(name)}: {who}" if who else volume.url_of(name)
-
-
 def _writer_of(raw: bytes | None) -> str | None:
     """Who wrote a marker's or claim's JSON (:meth:`SaveMarker.body`), in words; None when it
     cannot be told."""
@@ -380,8 +340,6 @@ __all__ = [
     "begin_save",
     "check_claim",
     "check_data_files",
-    "check_no_newer_save",
-    "describe_marker",
     "describe_publisher",
     "digest",
     "publish_metadata",

@@ -38,11 +38,9 @@ multipart uploads there may belong to a save in progress. Right after its marker
 location's claim ``.uc-claim`` (``__<rank>.uc-claim`` for a rank-local save; the same JSON with the
 save's token), replacing the one an earlier save left: the last save to claim the location is the
 only one that may publish there. Before publishing, a save checks that the claim is still its own
-(on S3 a HEAD whose ETag is the one its PUT got back; elsewhere by reading the token back), and
-where the volume lists cheaply or cannot be trusted to report its writes (local, FUSE and fsspec
-volumes) it also lists the location: every data file with its size, and no newer save's marker (by
-the store's modification time). Two saves at one location therefore agree on which publishes; the
-other fails with :class:`~uc_checkpoint.errors.ConcurrentSaveError`. A killed save's claim is
+(on S3 a HEAD whose ETag is the one its PUT got back; elsewhere by reading the token back). The
+claim is the only judge, so two saves at one location always agree on which publishes; the other
+fails with :class:`~uc_checkpoint.errors.ConcurrentSaveError`. A killed save's claim is
 replaced by the next save, so it never blocks one; ``uc-checkpoint gc`` removes a killed save's
 marker, and a claim stays with its location (removed with the checkpoint).
 """

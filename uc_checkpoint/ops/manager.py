@@ -106,9 +106,10 @@ class CheckpointManager:
             reuse_staging_buffers: keep the CPU copy of the state between async saves and copy the
                 next save's state into it (:class:`~uc_checkpoint.dcp.buffers.StagingBuffers`):
                 :meth:`save` blocks for a copy into memory already mapped rather than new memory
-                (32 MiB: 3.0 against 12 ms here; docs/benchmarks.md), and the copy of the rank's
+                (0.28-0.45x an in-memory copy's time in docs/benchmarks.md), and the copy of the rank's
                 state stays allocated between saves (it exists during each async save anyway).
-                Needs ``async_save=True`` and ``async_staging=False``.
+                Needs ``async_save=True``, ``async_staging=False`` and ``async_mode="thread"`` (in
+                PROCESS mode each snapshot goes to DCP's daemon with its save: nothing to keep).
             process_group: the ranks that save and load together (default: every rank). The manager
                 never issues a collective on this group itself: on first use it creates two gloo groups
                 over the same ranks, one for DCP's saves (whose collectives run in a background thread
@@ -181,10 +182,10 @@ class CheckpointManager:
             raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if async_staging and not async_save:
             raise ValueError("async_staging=True needs async_save=True (a synchronous save stages nothing)")
-        if reuse_staging_buffers and (not async_save or async_staging):
+        if reuse_staging_buffers and (not async_save or async_staging or async_mode != "thread"):
             raise ValueError(
-                "reuse_staging_buffers=True needs async_save=True and async_staging=False "
-                "(it keeps the writer's own staging copy)"
+                "reuse_staging_buffers=True needs async_save=True, async_staging=False and async_mode='thread' "
+                "(it keeps the writer's own staging copy, which PROCESS mode hands to DCP's daemon)"
             )
         if list_attempts < 1:
             raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")

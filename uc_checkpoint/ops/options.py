@@ -29,6 +29,7 @@ _MANAGER_OWNED = {
     "path": "the manager passes each checkpoint's location",
     "staging_dir": "pass CheckpointManager(staging_dir=...)",
     "volume_options": "pass CheckpointManager(volume_options=...): every checkpoint under the root gets them",
+    "staging_buffers": "pass CheckpointManager(reuse_staging_buffers=True): the manager keeps one set for its saves",
 }
 
 

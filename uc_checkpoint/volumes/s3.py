@@ -764,6 +764,24 @@ class S3Volume(Volume):
             self._check_size(name, int(total), file_size, 0)
 
     def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
+        response = self._put_small(name, data, overwrite=overwrite)
+        # S3 is read-after-write consistent: a 200 carrying the CRC-32 of these bytes, or an ETag that
+        # is their MD5 (S3's ETag of a single-part object without KMS or customer-key encryption, and
+        # that of stores that keep no checksums), is the store's own word that they are what a GET
+        # now returns, so the publish needs no read-back. Another ETag proves nothing either way.
+        return bool(response.get("ChecksumCRC32")) or _etag_is_md5_of(response.get("ETag"), data)
+
+    def write_tagged(self, name: str, data: bytes) -> str | None:
+        return self._put_small(name, data, overwrite=True).get("ETag")
+
+    def _put_small(self, name: str, data: bytes, *, overwrite: bool) -> dict[str, Any]:
+        """One PutObject of ``data`` (with a CRC-32 the store checks, unless checksums are off);
+        its answer, whose CRC-32 (when the store reports one) was checked against the bytes sent.
+
+        Raises:
+            CheckpointExistsError: ``overwrite=False`` and the object exists.
+            TransferError: the PUT failed, or the store stored another CRC-32.
+        """
         where = self.url_of(name)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
         if self._send_checksums():
@@ -771,7 +789,7 @@ class S3Volume(Volume):
         if not overwrite:
             kwargs["IfNoneMatch"] = "*"
         try:
-            response = self.client.put_object(**kwargs)
+            response: dict[str, Any] = self.client.put_object(**kwargs)
         except Exception as exc:  # noqa: BLE001
             status, code = _error_info(exc)
             if not overwrite and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
@@ -785,22 +803,7 @@ class S3Volume(Volume):
         reported = response.get("ChecksumCRC32")
         if reported and reported != crc32_base64(crc32(data)):
             raise TransferError(f"{where} was stored with CRC-32 {reported}, which does not match the bytes sent")
-        # S3 is read-after-write consistent: a 200 carrying the CRC-32 of these bytes, or an ETag that
-        # is their MD5 (S3's ETag of a single-part object without KMS or customer-key encryption, and
-        # that of stores that keep no checksums), is the store's own word that they are what a GET
-        # now returns, so the publish needs no read-back. Another ETag proves nothing either way.
-        return bool(reported) or _etag_is_md5_of(response.get("ETag"), data)
-
-    def write_tagged(self, name: str, data: bytes) -> str | None:
-        where = self.url_of(name)
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name), "Body": data}
-        if self._send_checksums():
-            kwargs["ChecksumAlgorithm"] = "CRC32"
-        try:
-            response = self.client.put_object(**kwargs)
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"writing {where} failed: {exc}{_hint(exc)}") from exc
-        return response.get("ETag")
+        return response
 
     def tag_of(self, name: str) -> str | None:
         try:
