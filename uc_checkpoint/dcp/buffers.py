@@ -15,13 +15,10 @@ that starts while the previous one still serialises gets new memory, never memor
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 #: One kept buffer: the tensor, whether it is in pinned memory (for accelerator sources), its dtype
 #: and shape.
