@@ -271,10 +271,15 @@ def test_a_failed_copy_is_raised_on_the_caller_and_every_helper_ends(
     if stager._openmp() is None:
         pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
     caller = threading.get_ident()
+    helper_started = threading.Event()
 
     def failing_on_a_helper(piece: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if threading.get_ident() != caller:
+            helper_started.set()
             raise MemoryError("no memory for the copy")
+        # On a loaded machine the caller could copy every piece before the helper runs; it waits
+        # for the helper's first piece (the helper must fail, not just exist).
+        assert helper_started.wait(10), "no helper ever took a piece"
         for src, dst in piece:
             dst.copy_(src)
 
