@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -25,6 +26,22 @@ pytest_plugins = ["tests.support.s3_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+class HeldInWriteStep:
+    """A state-dict value whose serialisation (in the save's write step) sets ``reached`` and then
+    waits for ``release``: holds one save there while a test runs another (threads of one process)."""
+
+    def __init__(self, reached: threading.Event, release: threading.Event) -> None:
+        self.reached, self.release = reached, release
+
+    def __getstate__(self) -> dict:
+        self.reached.set()
+        assert self.release.wait(60), "the test never released the held save"
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.reached = self.release = threading.Event()
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.conftest import HeldInWriteStep
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import ConcurrentSaveError, rank_error
@@ -43,21 +44,6 @@ def test_no_listing_between_the_last_upload_and_the_publish(
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
-class Held:
-    """A state value whose serialisation waits for ``release`` (after setting ``reached``)."""
-
-    def __init__(self, reached: threading.Event, release: threading.Event) -> None:
-        self.reached, self.release = reached, release
-
-    def __getstate__(self) -> dict:
-        self.reached.set()
-        assert self.release.wait(60), "the test never released the first save"
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.reached = self.release = threading.Event()
-
-
 def test_of_two_overlapping_saves_the_later_claim_publishes(
     s3_bucket: str, staging: Path, fault_proxy: FaultProxy
 ) -> None:
@@ -66,7 +52,7 @@ def test_of_two_overlapping_saves_the_later_claim_publishes(
     errors: list[BaseException] = []
 
     def first() -> None:
-        sd = {"w": torch.full((1 << 14,), 1.0), "held": Held(reached, release)}
+        sd = {"w": torch.full((1 << 14,), 1.0), "held": HeldInWriteStep(reached, release)}
         try:
             dcp.save(sd, storage_writer=UCVolumeWriter(_volume(fault_proxy.url, s3_bucket, "both")))
         except BaseException as exc:  # noqa: BLE001 - checked below

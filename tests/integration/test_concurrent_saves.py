@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import wait_for
+from tests.conftest import HeldInWriteStep, wait_for
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import ConcurrentSaveError, rank_error
 from uc_checkpoint.format.layout import parse_save_marker
@@ -167,22 +167,6 @@ def test_rank_local_saves_of_one_job_do_not_conflict(tmp_path: Path, staging: Pa
     assert not [n for n in names if parse_save_marker(n)], names
 
 
-class _Held:
-    """Serialised only once ``release`` is set (after setting ``reached``): holds a save in its
-    write step, in this process (threads, not jobs)."""
-
-    def __init__(self, reached: threading.Event, release: threading.Event) -> None:
-        self.reached, self.release = reached, release
-
-    def __getstate__(self) -> dict:
-        self.reached.set()
-        assert self.release.wait(60), "the test never released the held save"
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.reached = self.release = threading.Event()
-
-
 class _ClockSkewVolume(LocalVolume):
     """After writing its claim, makes the other save's marker look newer by the store's clock (a
     store clock of one-second resolution, or two hosts' writes within one tick, give such ties)."""
@@ -207,7 +191,7 @@ def test_a_marker_clock_that_disagrees_with_the_claims_never_refuses_both(tmp_pa
     errors: list[BaseException] = []
 
     def save_a() -> None:
-        sd = {**job_state(1.0), "held": _Held(reached, release)}
+        sd = {**job_state(1.0), "held": HeldInWriteStep(reached, release)}
         try:
             dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=64 << 10, sync_files=False))
         except BaseException as exc:  # noqa: BLE001 - checked below

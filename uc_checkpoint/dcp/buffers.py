@@ -116,20 +116,18 @@ class BufferLease:
     def release(self) -> None:
         """The save no longer reads its snapshot: its tensors become the idle set (once; later
         calls do nothing)."""
-        if self._released:
-            return
-        self._released = True
-        if self._pool is not None:
-            self._pool._give_back(self._used)
-        self._offered, self._used = [], []
+        self._end(self._used)
 
     def cancel(self) -> None:
         """The snapshot failed: what was offered goes back (nothing else references it)."""
+        self._end(self._offered)
+
+    def _end(self, give_back: list[_Buffer]) -> None:
         if self._released:
             return
         self._released = True
         if self._pool is not None:
-            self._pool._give_back(self._offered)
+            self._pool._give_back(give_back)
         self._offered, self._used = [], []
 
     def forget(self) -> None:

@@ -540,13 +540,22 @@ class S3Volume(Volume):
         return True
 
     def size(self, name: str) -> int | None:
+        head = self._head(name)
+        return None if head is None else int(head["ContentLength"])
+
+    def _head(self, name: str) -> dict[str, Any] | None:
+        """The HeadObject answer for ``name``, None when it does not exist.
+
+        Raises:
+            TransferError: the HEAD failed otherwise.
+        """
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+            head: dict[str, Any] = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
         except Exception as exc:  # noqa: BLE001
             if _is_missing(exc):
                 return None
             raise TransferError(f"HEAD {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
-        return int(head["ContentLength"])
+        return head
 
     # ---- data movement ------------------------------------------------------------------------
     def _effective_part_size(self, size: int) -> int:
@@ -806,13 +815,8 @@ class S3Volume(Volume):
         return response
 
     def tag_of(self, name: str) -> str | None:
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-        except Exception as exc:  # noqa: BLE001
-            if _is_missing(exc):
-                return None
-            raise TransferError(f"HEAD {self.url_of(name)} failed: {exc}{_hint(exc)}") from exc
-        return head.get("ETag")
+        head = self._head(name)
+        return None if head is None else head.get("ETag")
 
     def delete(self, name: str) -> None:
         try:
