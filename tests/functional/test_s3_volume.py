@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -89,6 +90,40 @@ def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str,
     dcp.load(out, storage_reader=UCVolumeReader(volume, range_chunk_bytes=1 << 20))
     assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
     assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+
+
+def test_multipart_parts_carry_the_staged_files_part_crcs_and_botocore_computes_none(
+    s3_server: str, s3_bucket: str, tmp_path: Path, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from botocore import httpchecksum
+
+    computed: list[int] = []
+    update = httpchecksum.Crc32Checksum.update
+
+    def counted(self: Any, chunk: bytes) -> None:  # counts botocore's own CRC-32 work, changes nothing
+        computed.append(len(chunk))
+        update(self, chunk)
+
+    monkeypatch.setattr(httpchecksum.Crc32Checksum, "update", counted)
+    volume = s3_volume(fault_proxy.url, s3_bucket, "parts", multipart_threshold=5 << 20, part_size=5 << 20)
+    staged = tmp_path / "big.distcp"
+    payload = torch.randn(3 << 20).numpy().tobytes() + b"tail"  # 12 MiB + 4 bytes: three parts
+    staged.write_bytes(payload)
+    fault_proxy.reset()
+    record = volume.upload_file(staged, "big.distcp")
+    parts = sorted(
+        (r for r in fault_proxy.history if r.method == "PUT" and "partNumber=" in r.path),
+        key=lambda r: int(r.path.split("partNumber=")[1].split("&")[0]),
+    )
+    assert len(parts) == 3
+    for number, part in enumerate(parts):
+        body = payload[number * (5 << 20) : (number + 1) * (5 << 20)]
+        sent = part.header("x-amz-checksum-crc32")
+        assert sent and base64.b64decode(sent) == zlib.crc32(body).to_bytes(4, "big"), number
+    assert computed == []  # every part's CRC-32 came from the staged file's digest
+    head = s3_client(s3_server).head_object(Bucket=s3_bucket, Key="parts/big.distcp", ChecksumMode="ENABLED")
+    assert head["ContentLength"] == record.size == len(payload)
+    assert s3_client(s3_server).get_object(Bucket=s3_bucket, Key="parts/big.distcp")["Body"].read() == payload
 
 
 def test_a_file_below_the_multipart_threshold_is_one_put_the_store_checks(
@@ -568,7 +603,8 @@ def test_the_client_cache_is_bounded_and_per_process() -> None:
     cache.get(("c",), build)  # b goes
     assert cache.get(("a",), build)[0] is a and len(made) == 3
     # Our handlers go onto each client once, when it is built, not on every volume that takes it.
-    assert all(c.registered == ["after-call.s3", "before-call.s3.GetObject"] for c in made)
+    hooks = ["after-call.s3", "before-call.s3.GetObject", "before-parameter-build.s3.UploadPart"]
+    assert all(c.registered == hooks for c in made)
     cache.get(("b",), build)
     assert len(made) == 4
     # A forked child never uses its parent's client (its connections are the parent's).
