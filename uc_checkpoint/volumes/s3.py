@@ -85,16 +85,28 @@ class PartChecksums:
 
     s3transfer sends the parts and takes no per-part checksum, so botocore would compute each
     part's CRC-32 itself (zlib's, one more read of the staged file: ~0.3 CPU-s per GiB here) though
-    the staged file's digest already holds it. The request sent is the same either way (botocore
-    puts what it computes in the same header); S3 checks the part against it and refuses it
-    (``BadDigest``) if they differ, so a wrong entry can fail an upload, never store a bad part.
-    A part is given a CRC-32 only when exactly one upload of its key is announced and the part's
-    length is the one announced; otherwise botocore computes it as before.
+    the staged file's digest already holds it. Only used where botocore signs the body anyway (see
+    :meth:`S3Volume._sends_own_crc`): the request is then the same either way (botocore puts what it
+    computes in the same header). S3 checks the part against it and refuses it (``BadDigest``) if
+    they differ, so a wrong entry can fail an upload, never store a bad part. A part is given a
+    CRC-32 only when exactly one upload of its key is announced and the part's length is the one
+    announced; otherwise botocore computes it as before.
     """
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, str], list[list[tuple[int, int]]]] = {}
         self._lock = threading.Lock()
+        # A child forked while another thread held the lock would wait on it forever; the parent's
+        # uploads are not the child's.
+        ref = weakref.ref(self)
+
+        def in_child() -> None:
+            registry = ref()
+            if registry is not None:
+                registry._lock = threading.Lock()
+                registry._by_key = {}
+
+        os.register_at_fork(after_in_child=in_child)
 
     @contextmanager
     def announced(self, bucket: str, key: str, parts: list[tuple[int, int]]) -> Iterator[None]:
@@ -140,13 +152,33 @@ class ClientHooks:
     part_checksums: PartChecksums
 
 
+class _HookedClients:
+    """Our hooks on each boto3 client, registered once per client however many volumes use it (a
+    client given to several volumes, or a factory returning one client, would otherwise collect a
+    set of handlers per volume). Holds the clients weakly."""
+
+    def __init__(self) -> None:
+        self._hooks: weakref.WeakKeyDictionary[Any, ClientHooks] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def hook_up(self, client: Any) -> ClientHooks:
+        with self._lock:
+            hooks = self._hooks.get(client)
+            if hooks is None:
+                hooks = ClientHooks(RetryCounter(), PartChecksums())
+                client.meta.events.register("after-call.s3", hooks.retries.on_after_call)
+                client.meta.events.register("before-call.s3.GetObject", _no_store_checksum_of_ranges)
+                client.meta.events.register("before-parameter-build.s3.UploadPart", hooks.part_checksums.on_upload_part)
+                self._hooks[client] = hooks
+            return hooks
+
+
+_HOOKED = _HookedClients()
+
+
 def _hook_up(client: Any) -> ClientHooks:
-    """Register our event handlers on a new client."""
-    hooks = ClientHooks(RetryCounter(), PartChecksums())
-    client.meta.events.register("after-call.s3", hooks.retries.on_after_call)
-    client.meta.events.register("before-call.s3.GetObject", _no_store_checksum_of_ranges)
-    client.meta.events.register("before-parameter-build.s3.UploadPart", hooks.part_checksums.on_upload_part)
-    return hooks
+    """Our event handlers on ``client``, registered on its first call."""
+    return _HOOKED.hook_up(client)
 
 
 class ClientCache:
@@ -454,6 +486,19 @@ class S3Volume(Volume):
             return self.checksums
         return getattr(self.client.meta.config, "request_checksum_calculation", "when_supported") != "when_required"
 
+    def _sends_own_crc(self) -> bool:
+        """Whether an upload puts the staged file's CRC-32 (or its part's) in the request itself, so
+        that botocore computes none: only where botocore signs the body anyway or is told not to.
+
+        Over ``https`` with ``sign_payload`` unset, botocore sends an upload with its CRC-32 in an
+        aws-chunked trailer, computed as the body streams, and leaves the body unsigned. A CRC-32
+        given in the header instead makes it sign the body (a SHA-256 of every byte, several times
+        the CRC's cost), so there the store checks botocore's trailer, which the store's answer or a
+        HEAD then shows to be the staged file's CRC-32."""
+        if self.sign_payload is not None:
+            return True
+        return not str(self.client.meta.endpoint_url).lower().startswith("https:")
+
     def _read_checksums(self) -> bool:
         """Whether HEADs ask for the stored CRC-32 (``x-amz-checksum-mode``)."""
         if self.checksums is not None:
@@ -657,11 +702,13 @@ class S3Volume(Volume):
     def _announce_parts(self, name: str, digest: Digest, size: int, checksum: bool) -> AbstractContextManager[None]:
         """While the block runs, the multipart upload of ``name`` sends the part CRC-32s of
         ``digest`` (a staged file of ``size`` bytes) instead of botocore computing them again
-        (:class:`PartChecksums`); a no-op without ``checksum`` or with another client's hooks."""
-        self.client  # noqa: B018 - binds the client and its hooks
-        registry = self._shared.part_checksums
+        (:class:`PartChecksums`); a no-op without ``checksum`` or where botocore sends its own CRC-32
+        in a trailer (:meth:`_sends_own_crc`)."""
+        if not checksum or not self._sends_own_crc():
+            return nullcontext()
+        registry = self._shared.part_checksums  # bound by _sends_own_crc's use of the client
         part_size = self._effective_part_size(size)
-        if not checksum or registry is None or not digest.part_crc32:
+        if registry is None or not digest.part_crc32:
             return nullcontext()
         lengths = [min(part_size, size - start) for start in range(0, size, part_size)]
         if len(lengths) != len(digest.part_crc32):
@@ -673,10 +720,10 @@ class S3Volume(Volume):
         answer proves the bytes landed (it carries the CRC-32 sent).
 
         With ``checksum``, the staged file's CRC-32 (``record``'s, which the manifest keeps) goes in
-        ``x-amz-checksum-crc32``:
-        botocore then computes none of its own (one pass over the bytes fewer), and S3 checks the
-        body against it, refusing the object (``BadDigest``) when a byte changed on the way, so a
-        200 carrying that CRC-32 needs no HEAD to confirm it.
+        ``x-amz-checksum-crc32`` where :meth:`_sends_own_crc` (botocore then computes none of its
+        own, one pass over the bytes fewer; elsewhere botocore's trailer carries the CRC-32 of what it
+        read). S3 checks the body against it, refusing the object (``BadDigest``) when a byte changed
+        on the way, so a 200 carrying the staged file's CRC-32 needs no HEAD to confirm it.
 
         Raises:
             TransferError: the store stored another CRC-32 than the one sent.
@@ -684,7 +731,9 @@ class S3Volume(Volume):
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name)}
         sent = crc32_base64(int(record.crc32, 16))
         if checksum:
-            kwargs.update(ChecksumAlgorithm="CRC32", ChecksumCRC32=sent)
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+            if self._sends_own_crc():
+                kwargs["ChecksumCRC32"] = sent
         with open(local_path, "rb") as body:  # botocore seeks back to the start for a retry
             response = self.client.put_object(Body=body, **kwargs)
         reported = response.get("ChecksumCRC32")
