@@ -160,6 +160,14 @@ class _HookedClients:
     def __init__(self) -> None:
         self._hooks: weakref.WeakKeyDictionary[Any, ClientHooks] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        ref = weakref.ref(self)
+
+        def in_child() -> None:  # a lock held by another thread at the fork stays held in the child
+            hooked = ref()
+            if hooked is not None:
+                hooked._lock = threading.Lock()
+
+        os.register_at_fork(after_in_child=in_child)
 
     def hook_up(self, client: Any) -> ClientHooks:
         with self._lock:
