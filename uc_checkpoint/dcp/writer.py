@@ -218,7 +218,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         staging_buffers: keep ``async_save``'s CPU snapshot between saves and copy the next one
             into it (:class:`~uc_checkpoint.dcp.buffers.StagingBuffers`; pass the same object to
             every writer of the run): training is blocked for a copy into mapped memory instead
-            of new memory (0.28-0.45x a plain copy's time in docs/benchmarks.md), at the cost of one copy of the rank's
+            of new memory (0.27-0.48x a plain copy's time in docs/benchmarks.md), at the cost of one copy of the rank's
             state kept between saves. None (default): each snapshot in new memory, freed with its
             save.
 
