@@ -691,6 +691,34 @@ def test_targets_that_share_memory_load_through_the_buffer(s3_server: str, s3_bu
     assert torch.equal(one, x) or torch.equal(one, y)
 
 
+def _upload_in_child(volume: S3Volume, staged: Path, answers: Any) -> None:
+    volume.upload_file(staged, "child.bin")
+    answers.put(volume.read_bytes("child.bin") == staged.read_bytes())
+
+
+@pytest.mark.parametrize("explicit_client", [False, True], ids=["built", "given"])
+def test_a_forked_child_uploads_through_a_transfer_manager_of_its_own(
+    s3_server: str, s3_bucket: str, tmp_path: Path, explicit_client: bool
+) -> None:
+    import multiprocessing
+
+    kw: dict[str, Any] = {"client": s3_client(s3_server)} if explicit_client else {"endpoint_url": s3_server}
+    volume = S3Volume(f"s3://{s3_bucket}/fork", multipart_threshold=5 << 20, part_size=5 << 20, **kw)
+    staged = tmp_path / "f.bin"
+    staged.write_bytes(torch.randn(3 << 20).numpy().tobytes())  # 12 MiB: a multipart upload
+    volume.upload_file(staged, "parent.bin")  # the parent's transfer manager and its threads exist
+    ctx = multiprocessing.get_context("fork")
+    answers = ctx.SimpleQueue()
+    child = ctx.Process(target=_upload_in_child, args=(volume, staged, answers))  # fork: not pickled
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child's multipart upload never finished")
+    assert child.exitcode == 0 and answers.get() is True
+
+
 def test_a_child_forked_while_a_client_is_built_gets_its_own(s3_server: str, s3_bucket: str) -> None:
     """A fork while another thread builds a shared client (holding the cache's lock) must not leave
     the child waiting forever, and a volume inherited through fork never uses its parent's client

@@ -434,6 +434,7 @@ class S3Volume(Volume):
         self.sign_payload = sign_payload
         self._shared = _Shared(client)
         self._transfer: Any = None
+        self._transfer_pid = 0
         self._lock = threading.Lock()  # guards this volume's transfer manager
 
     def __repr__(self) -> str:
@@ -590,16 +591,19 @@ class S3Volume(Volume):
     def _transfer_manager(self) -> Any:
         client = self.client
         with self._lock:
-            if self._transfer is None:
+            # A forked child inherits the parent's manager but not its worker threads: a transfer
+            # submitted there would wait forever.
+            if self._transfer is None or self._transfer_pid != os.getpid():
                 from boto3.s3.transfer import create_transfer_manager
 
                 self._transfer = create_transfer_manager(client, self.transfer_config)
+                self._transfer_pid = os.getpid()
             return self._transfer
 
     def close(self) -> None:
         with self._lock:
             transfer, self._transfer = self._transfer, None
-        if transfer is not None:
+        if transfer is not None and self._transfer_pid == os.getpid():
             transfer.shutdown()
 
     # ---- names --------------------------------------------------------------------------------
