@@ -79,6 +79,20 @@ class RetryCounter:
             self.add(int(attempts))
 
 
+def _renew_in_forked_child(owner: Any, renew: Callable[[Any], None]) -> None:
+    """Call ``renew(owner)`` in every child forked from this process while ``owner`` lives (held
+    weakly): a lock another thread held at the fork stays held in the child, and would be waited on
+    forever."""
+    ref = weakref.ref(owner)
+
+    def in_child() -> None:
+        alive = ref()
+        if alive is not None:
+            renew(alive)
+
+    os.register_at_fork(after_in_child=in_child)
+
+
 class PartChecksums:
     """The CRC-32 of every part of the multipart uploads in flight through one boto3 client, by
     bucket and key, handed to botocore as each ``UploadPart``'s ``ChecksumCRC32``. Thread-safe.
@@ -96,17 +110,12 @@ class PartChecksums:
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, str], list[list[tuple[int, int]]]] = {}
         self._lock = threading.Lock()
-        # A child forked while another thread held the lock would wait on it forever; the parent's
-        # uploads are not the child's.
-        ref = weakref.ref(self)
+        _renew_in_forked_child(self, PartChecksums._forget_parent)
 
-        def in_child() -> None:
-            registry = ref()
-            if registry is not None:
-                registry._lock = threading.Lock()
-                registry._by_key = {}
-
-        os.register_at_fork(after_in_child=in_child)
+    def _forget_parent(self) -> None:
+        # The parent's uploads are not the child's.
+        self._lock = threading.Lock()
+        self._by_key = {}
 
     @contextmanager
     def announced(self, bucket: str, key: str, parts: list[tuple[int, int]]) -> Iterator[None]:
@@ -160,14 +169,10 @@ class _HookedClients:
     def __init__(self) -> None:
         self._hooks: weakref.WeakKeyDictionary[Any, ClientHooks] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        ref = weakref.ref(self)
+        _renew_in_forked_child(self, _HookedClients._new_lock)
 
-        def in_child() -> None:  # a lock held by another thread at the fork stays held in the child
-            hooked = ref()
-            if hooked is not None:
-                hooked._lock = threading.Lock()
-
-        os.register_at_fork(after_in_child=in_child)
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
 
     def hook_up(self, client: Any) -> ClientHooks:
         with self._lock:
@@ -208,16 +213,9 @@ class ClientCache:
         self.size = size
         self._entries: OrderedDict[tuple[Any, ...], tuple[Any, ClientHooks]] = OrderedDict()
         self._lock = threading.Lock()
-        # A child forked while another thread held the lock (building a client) would wait on it
-        # forever: the child starts with a lock of its own and none of its parent's clients.
-        ref = weakref.ref(self)
-
-        def in_child() -> None:
-            cache = ref()
-            if cache is not None:
-                cache._forget_parent()
-
-        os.register_at_fork(after_in_child=in_child)
+        # The child starts with a lock of its own (another thread may have held this one, building
+        # a client) and none of its parent's clients.
+        _renew_in_forked_child(self, ClientCache._forget_parent)
 
     def _forget_parent(self) -> None:
         self._lock = threading.Lock()
