@@ -40,7 +40,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("SigV4 SHA-256 of bodies (plain HTTP)", r"sha256|SHA256"),
     ("botocore CRC-32 of bodies (flexible checksums)", r"botocore/(?:httpchecksum|checksums)\.py"),
     ("our CRC-32: file digest, block verification", r"uc_checkpoint/format/integrity\.py"),
-    ("range buffers (allocation, first touch)", r"_Buffers\.take|RangeFetch\.start"),
+    ("range buffers (allocation, first touch)", r"_Buffers\.take|RangeFetch\.begin"),
     ("receiving bodies (socket reads)", r"recv|readinto|_safe_read"),
     ("sending bodies (socket writes)", r"sendall|_send_output|sendfile"),
     ("copying loaded bytes into the plan's tensors", r"decode_into|ItemCodec\.decode|ItemLoader|copy_"),

@@ -12,7 +12,9 @@ Sweeps (each point a fresh process, or a torchrun job, against a fresh S3 server
 ``ranks``       1 -> 8 ranks at a fixed total size (``--ranks-total-mb``) and at a fixed share per
                 rank (``--share-mb``): save (to ``.metadata`` on the store) and load seconds, data
                 files per rank, requests of the save and of the load
-``size``        64 MiB -> 2 GiB on 1 rank: save / load seconds and client CPU-s/GiB
+``size``        64 MiB -> 2 GiB on 1 rank: save / load seconds and client CPU-s/GiB, and raw boto3's
+                download of the same objects; on moto and, where it imports, on localbucket (a
+                disk-backed S3 server that reads only the bytes a ranged GET asks for)
 ``tensors``     100 -> 50,000 tensors at a fixed small size: save / load seconds per tensor (ours to
                 S3, and DCP's FileSystemWriter to local disk as the reference)
 ``checkpoints`` 10 -> 1,000 checkpoints under one root: time and requests of
@@ -21,8 +23,8 @@ Sweeps (each point a fresh process, or a torchrun job, against a fresh S3 server
 ``reshard``     save with 4 ranks, load with 4 and with 2 (torchrun, gloo on the CPU)
 ==============  ===================================================================================
 
-The S3 server is moto, in its own process (so the client CPU figures do not include it), restarted
-for every point (it keeps objects in memory). Requests are counted on the wire by the tests' fault
+The S3 server is moto (the size sweep also localbucket), in its own process (so the client CPU
+figures do not include it), restarted for every point (moto keeps objects in memory). Requests are counted on the wire by the tests' fault
 proxy (``tests/support/s3_fixtures.FaultProxy``, in this process) for the ``ranks``, ``reshard`` and
 ``checkpoints`` sweeps; ``size`` and ``tensors`` talk to the server directly. The many checkpoints of
 the ``checkpoints`` sweep are one real save of a tiny state, its objects copied server-side to N
@@ -128,9 +130,14 @@ class Store:
 
 
 @contextlib.contextmanager
-def store(work: Path, *, counted: bool) -> Iterator[Store]:
-    """moto's S3 server in its own process on a free port (its CPU and memory are not the client's),
-    with bucket :data:`BUCKET`, and with ``counted`` the fault proxy in front of it."""
+def store(work: Path, *, counted: bool, kind: str = "moto") -> Iterator[Store]:
+    """An S3 server in its own process on a free port (its CPU and memory are not the client's),
+    with bucket :data:`BUCKET`, and with ``counted`` the fault proxy in front of it. ``kind``:
+    ``moto`` (objects in memory) or ``localbucket`` (objects in files under ``work``, removed after)."""
+    if kind == "localbucket":
+        with _localbucket(work, counted=counted) as st:
+            yield st
+        return
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     logfile = open(work / f"moto-{port}.log", "wb")  # noqa: SIM115 - closed below
@@ -166,6 +173,25 @@ def store(work: Path, *, counted: bool) -> Iterator[Store]:
             proc.kill()
             proc.wait()
         logfile.close()
+
+
+@contextlib.contextmanager
+def _localbucket(work: Path, *, counted: bool) -> Iterator[Store]:
+    from .mounts import localbucket_server
+
+    root = work / f"localbucket-{uuid.uuid4().hex[:8]}"
+    try:
+        with localbucket_server(root / "data") as (url, pid):
+            _s3(url).create_bucket(Bucket=BUCKET)
+            if counted:
+                from tests.support.s3_fixtures import FaultProxy
+
+                with FaultProxy(url) as proxy:
+                    yield Store(url, proxy.url, proxy, pid)
+            else:
+                yield Store(url, url, None, pid)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _s3(endpoint: str) -> Any:
@@ -303,9 +329,11 @@ def _s3_point(
     ranks: int,
     args: list[str],
     timeout: float,
+    kind: str = "moto",
 ) -> dict[str, Any]:
-    """One save + load against a fresh store; with ``counted``, the save's and the load's requests."""
-    with store(work, counted=counted) as st:
+    """One save + load against a fresh store of ``kind`` (see :func:`store`); with ``counted``, the
+    save's and the load's requests."""
+    with store(work, counted=counted, kind=kind) as st:
         dest = f"s3://{BUCKET}/ckpt"
         results = run_point(work, st, ranks=ranks, dest=dest, args=args, timeout=timeout)
         row = fold(results)
@@ -347,27 +375,45 @@ def sweep_ranks(work: Path, grid: dict[str, Any], timeout: float) -> list[dict[s
     return rows
 
 
-def sweep_size(work: Path, grid: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+def size_stores() -> list[str]:
+    """The stores of the size sweep: moto, and localbucket where it imports (see
+    :func:`benchmarks.mounts.localbucket_available`)."""
+    from .mounts import localbucket_available
+
+    reason = localbucket_available()
+    if reason is not None:
+        log.info("size: localbucket not run (%s)", reason)
+        return ["moto"]
+    return ["moto", "localbucket"]
+
+
+def sweep_size(work: Path, grid: dict[str, Any], timeout: float, stores: list[str]) -> list[dict[str, Any]]:
+    """Each size on each store in ``stores``. moto reads a whole object for every ranged GET, under
+    a lock per object, so its load time grows with the object size as well as the bytes read (the
+    raw boto3 download of the same objects shows it); localbucket reads just the range from its file,
+    which tells the client's own growth apart."""
     rows = []
     largest = max(grid["sizes_mb"])
-    for size_mb in grid["sizes_mb"]:
-        # moto holds every object in memory and slows down with it: the largest point runs once.
-        repeats = 1 if size_mb == largest and len(grid["sizes_mb"]) > 1 else grid["repeats"]
-        reps = []
-        for rep in range(repeats):
-            log.info("size: %d MiB, 1 rank (repeat %d)", size_mb, rep + 1)
-            reps.append(
-                _s3_point(
-                    work,
-                    counted=False,
-                    ranks=1,
-                    args=["--state", "gpt", "--size-mb", str(size_mb), "--raw-download"],
-                    timeout=timeout,
+    for kind in stores:
+        for size_mb in grid["sizes_mb"]:
+            # moto holds every object in memory and slows down with it: its largest point runs once.
+            once = kind == "moto" and size_mb == largest and len(grid["sizes_mb"]) > 1
+            reps = []
+            for rep in range(1 if once else grid["repeats"]):
+                log.info("size: %d MiB, 1 rank, %s (repeat %d)", size_mb, kind, rep + 1)
+                reps.append(
+                    _s3_point(
+                        work,
+                        counted=False,
+                        ranks=1,
+                        args=["--state", "gpt", "--size-mb", str(size_mb), "--raw-download"],
+                        timeout=timeout,
+                        kind=kind,
+                    )
                 )
-            )
-        row = _median_rows(reps)
-        row["size_mb"] = size_mb
-        rows.append(row)
+            row = _median_rows(reps)
+            row.update(size_mb=size_mb, store=kind)
+            rows.append(row)
     return rows
 
 
@@ -572,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {"machine": machine(), "grid": grid, "quick": args.quick, "sweeps": list(args.only)}
     sweeps: dict[str, Callable[[], Any]] = {
         "ranks": lambda: sweep_ranks(work, grid, args.timeout),
-        "size": lambda: sweep_size(work, grid, args.timeout),
+        "size": lambda: sweep_size(work, grid, args.timeout, size_stores()),
         "tensors": lambda: sweep_tensors(
             work, grid, args.timeout, baseline=not (args.no_tensor_baseline or args.quick)
         ),

@@ -164,34 +164,27 @@ def series_of(data: dict[str, Any]) -> list[Series]:
                 Series("ranks", f"bytes a load fetches / checkpoint bytes ({tag})", "ranks", xs,
                        [_fetched(r) for r in rows], 0)
             )  # fmt: skip
-    sizes = _rows(data, "size")
-    if len(sizes) >= 2:
+    for store, sizes in _size_rows_by_store(data).items():
+        if len(sizes) < 2:
+            continue
         xs = [r["bytes"] / MIB for r in sizes]
         raw = (
-            Series("size", "raw boto3 download s of the same objects (the store, for reference)", "MiB", xs,
-                   [r["raw_download_s"] for r in sizes], None, slope_unit="s per GiB", slope_scale=1024)
+            Series("size", f"raw boto3 download s of the same objects ({store}; the store, for reference)", "MiB",
+                   xs, [r["raw_download_s"] for r in sizes], None, slope_unit="s per GiB", slope_scale=1024)
             if all("raw_download_s" in r for r in sizes)
             else None
         )  # fmt: skip
         out += [
-            Series(
-                "size", "save s", "MiB", xs, [r["save_s"] for r in sizes], 1, slope_unit="s per GiB", slope_scale=1024
-            ),
-            Series(
-                "size",
-                "load s",
-                "MiB",
-                xs,
-                [r["load_s"] for r in sizes],
-                1,
-                slope_unit="s per GiB",
-                slope_scale=1024,
-                reference=raw,
-            ),
+            Series("size", f"save s ({store})", "MiB", xs, [r["save_s"] for r in sizes], 1,
+                   slope_unit="s per GiB", slope_scale=1024),
+            Series("size", f"load s ({store})", "MiB", xs, [r["load_s"] for r in sizes], 1,
+                   slope_unit="s per GiB", slope_scale=1024, reference=raw),
             *([raw] if raw is not None else []),
-            Series("size", "save client CPU-s/GiB", "MiB", xs, [_per_gib(r, "save_cpu_s") for r in sizes], 0),
-            Series("size", "load client CPU-s/GiB", "MiB", xs, [_per_gib(r, "load_cpu_s") for r in sizes], 0),
-        ]
+            Series("size", f"save client CPU-s/GiB ({store})", "MiB", xs,
+                   [_per_gib(r, "save_cpu_s") for r in sizes], 0),
+            Series("size", f"load client CPU-s/GiB ({store})", "MiB", xs,
+                   [_per_gib(r, "load_cpu_s") for r in sizes], 0),
+        ]  # fmt: skip
     tensors = _rows(data, "tensors")
     if len(tensors) >= 2:
         xs = [r["tensors"] for r in tensors]
@@ -246,6 +239,15 @@ def series_of(data: dict[str, Any]) -> list[Series]:
             Series("checkpoints", "seconds of one LIST of one location (the store, for reference)", "checkpoints",
                    xs, [r["store_list_s"] for r in ckpts], None, "{:.4f}", slope_unit="ms per checkpoint", slope_scale=1e3)
         )  # fmt: skip
+    return out
+
+
+def _size_rows_by_store(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The size sweep's rows per store, in run order (rows of runs before the sweep named its store
+    were moto's)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in _rows(data, "size"):
+        out.setdefault(r.get("store", "moto"), []).append(r)
     return out
 
 
@@ -333,7 +335,7 @@ def render(data: dict[str, Any], plots: dict[str, str]) -> str:
         _machine(data),
         "",
         "The S3 server is moto in its own process (objects in memory, restarted for every point, sharing the "
-        "cores with the client); client CPU is the user + system time of the ranks' processes. Requests are "
+        "cores with the client; the size sweep also runs on localbucket, see there); client CPU is the user + system time of the ranks' processes. Requests are "
         "counted on the wire by the fault proxy. Growth is the log-log slope between the two largest "
         f"points (exponent 0: constant, 1: linear; within +/-{TOLERANCE} of a whole number it is named "
         "so), and a cost is flagged when it grows faster than its bound. Medians of "
@@ -418,16 +420,20 @@ def _size_section(data: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "",
         "gpt state on 1 rank, synchronous `dcp.save` then `dcp.load` into zeros, directly to the store; then "
         "boto3's `download_fileobj` of the same data objects (4 at a time, our part size and concurrency): "
-        "the store's own pace at that size.",
+        "the store's own pace at that size. moto reads a whole object for every ranged GET, holding a lock "
+        "per object meanwhile, so its load times grow with the size of the objects as well as with the bytes "
+        "read (data files grow to 256 MiB with the checkpoint); localbucket (objects in files on local disk, "
+        "in a process of its own) reads only the bytes asked for, so its rows show the client's own growth.",
         "",
-        "| size MiB | save s | save MB/s | save CPU-s/GiB | load s | load MB/s | load CPU-s/GiB | "
+        "| store | size MiB | save s | save MB/s | save CPU-s/GiB | load s | load MB/s | load CPU-s/GiB | "
         "raw boto3 download s | store peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rss = r.get("store_peak_rss_mib")
         lines.append(
-            f"| {r['bytes'] / MIB:.0f} | {r['save_s']:.2f} | {r['bytes'] / 1e6 / r['save_s']:.0f} | "
+            f"| {r.get('store', 'moto')} | {r['bytes'] / MIB:.0f} | {r['save_s']:.2f} | "
+            f"{r['bytes'] / 1e6 / r['save_s']:.0f} | "
             f"{_per_gib(r, 'save_cpu_s'):.2f} | {r['load_s']:.2f} | {r['bytes'] / 1e6 / r['load_s']:.0f} | "
             f"{_per_gib(r, 'load_cpu_s'):.2f} | {r['raw_download_s'] if 'raw_download_s' in r else float('nan'):.2f} | "
             f"{'-' if rss is None else f'{rss:.0f}'} |"

@@ -186,3 +186,30 @@ def test_links_stay_relative_when_the_reports_live_apart(tmp_path: Path) -> None
     update_main_report(main, data, tmp_path / "scratch" / "scale.md")
     text = main.read_text()
     assert "(../scratch/scale.md)" in text and str(tmp_path) not in text
+
+
+def test_each_store_of_the_size_sweep_is_judged_on_its_own() -> None:
+    def row(mb: int, load_s: float, store: str | None) -> dict[str, object]:
+        r: dict[str, object] = {
+            "bytes": mb << 20,
+            "size_mb": mb,
+            "save_s": mb / 100,
+            "load_s": load_s,
+            "raw_download_s": mb / 400,
+            "save_cpu_s": mb / 300,
+            "load_cpu_s": mb / 900,
+        }
+        if store is not None:
+            r["store"] = store
+        return r  # fmt: skip
+
+    # moto's load grows faster than its raw download (flagged); localbucket's is linear.
+    data = {"size": [row(1024, 2.0, "moto"), row(2048, 9.0, "moto"), row(1024, 0.6, "localbucket"),
+                     row(2048, 1.2, "localbucket")]}  # fmt: skip
+    loads = {s.cost: s for s in series_of(data) if s.cost.startswith("load s")}
+    assert set(loads) == {"load s (moto)", "load s (localbucket)"}
+    assert loads["load s (moto)"].flagged and not loads["load s (localbucket)"].flagged
+    assert loads["load s (localbucket)"].reference is not None
+    # Rows from before the sweep named its store are moto's.
+    old = {"size": [row(1024, 2.0, None), row(2048, 4.0, None)]}
+    assert [s.cost for s in series_of(old) if s.cost.startswith("load s")] == ["load s (moto)"]

@@ -174,6 +174,34 @@ def test_finished_ranges_are_consumed_while_later_ones_wait_for_a_worker(volume:
     assert reads_at_consume[0] <= 2 * workers, reads_at_consume
 
 
+def test_the_workers_read_different_files_at_once(volume: Volume) -> None:
+    # Each file one range of 4 pieces: queued range by range, both workers read one file at a time,
+    # which a store serving one object's reads one after another (moto) ran one worker at a time.
+    data = {f"f{i}.distcp": _content(4 * BLOCK, i) for i in range(4)}
+    records = {name: _put(volume, name, content) for name, content in data.items()}
+    rec = Recording(volume, delay_s=0.01)
+    got: dict[str, bytes] = {}
+
+    def consume(req: RangeRequest[str], view: memoryview) -> None:
+        got[req.name] = bytes(view)
+
+    workers = 2
+    fetch_ranges(
+        rec,  # type: ignore[arg-type]  # a duck-typed volume
+        [RangeRequest(name, 0, 4 * BLOCK, [name]) for name in data],
+        consume,
+        records=records,
+        chunk_bytes=BLOCK,
+        max_inflight_bytes=1 << 30,
+        workers=workers,
+    )
+    assert got == data
+    assert len(rec.reads) == 16
+    # Every window of reads the workers started together spans as many files as there are workers.
+    for i in range(0, 16, workers):
+        assert len({name for name, _s, _e in rec.reads[i : i + workers]}) == workers, rec.reads
+
+
 @pytest.mark.parametrize("chunk", [BLOCK // 2, BLOCK, 3 * BLOCK // 2, 2 * BLOCK, 8 * BLOCK])
 @pytest.mark.parametrize("block", [0, 2, 5])
 def test_a_damaged_block_is_caught_whatever_the_pieces(volume: Volume, chunk: int, block: int) -> None:

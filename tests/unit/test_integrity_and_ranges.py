@@ -126,6 +126,21 @@ def test_plan_ranges_covers_every_item_exactly_once(items, gap: int, cap: int, b
             assert r.name == name and r.start <= off and off + length <= r.end
             if block:
                 assert r.start % block == 0 and (r.end % block == 0 or r.end == sizes[name])
+    for name in "abc":  # no byte of a file is fetched twice
+        spans_of = sorted((r.start, r.end) for r in reqs if r.name == name)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans_of, spans_of[1:]))
+
+
+def test_contiguous_items_sharing_checksum_blocks_are_one_range_past_the_cap() -> None:
+    # A 128 MiB-style file of unaligned contiguous items, verified in blocks: cut at the cap, each
+    # cut fetched its straddling block twice and added a GET.
+    spans = [("a", 10 + i * 1000, 1000, i) for i in range(12)]
+    reqs = plan_ranges(spans, file_sizes={"a": 12_020}, block_sizes={"a": 256}, gap_bytes=0, max_range_bytes=4000)
+    assert [(r.start, r.end, r.items) for r in reqs] == [(0, 12_020, list(range(12)))]
+    assert len(reqs[0].pieces(4096)) == 3  # what the file's size asks for, not a piece more
+    # Without blocks the same spans do not overlap: the cap still cuts them.
+    plain = plan_ranges(spans, file_sizes={"a": 12_020}, gap_bytes=0, max_range_bytes=4000)
+    assert [(r.start, r.end) for r in plain] == [(10, 4010), (4010, 8010), (8010, 12_010)]
 
 
 def test_byte_budget_admits_one_oversized_request_alone() -> None:

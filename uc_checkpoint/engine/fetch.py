@@ -3,7 +3,8 @@ handed to a consumer as each request completes.
 
 Each request (one file, or one merged byte range split into parallel pieces) is a pipeline object
 holding its own state, as in torchsnapshot's ``scheduler.py`` (``_ReadPipeline``: read, then
-consume); :func:`fetch_files` and :func:`fetch_ranges` only start requests, enforce the memory
+consume); :func:`fetch_files` and :func:`fetch_ranges` only start requests (the pieces of
+several ranges queued in turn, so the workers read different files at once), enforce the memory
 budget and hand finished requests to the consumer in the order they complete. The consumer runs on
 the calling thread, so it can use that thread's state (a DCP load's session).
 
@@ -19,6 +20,7 @@ Nothing here knows DCP: a request's items are opaque (see :class:`~uc_checkpoint
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import queue
@@ -84,14 +86,30 @@ class _Pipeline(Generic[R]):
         self._lock = threading.Lock()
         self._left = 0
         self._signalled = False
+        self._unsubmitted: collections.deque[tuple[Callable[..., R], tuple[object, ...]]] = collections.deque()
         self.failed = False
 
-    def _start(self, tasks: Sequence[tuple[Callable[..., R], tuple[object, ...]]]) -> None:
+    def _prepare(self, tasks: Sequence[tuple[Callable[..., R], tuple[object, ...]]]) -> None:
+        """Count ``tasks`` as this request's, to be submitted by :meth:`submit_next`."""
         self._left = len(tasks)
+        self._unsubmitted = collections.deque(tasks)
         if not tasks:
             self._signal()
-        for fn, args in tasks:
-            self._group.submit(self._run, fn, *args)
+
+    def _start(self, tasks: Sequence[tuple[Callable[..., R], tuple[object, ...]]]) -> None:
+        self._prepare(tasks)
+        while self.unsubmitted:
+            self.submit_next()
+
+    @property
+    def unsubmitted(self) -> int:
+        """Tasks prepared and not yet submitted (the request is ready only once they have run)."""
+        return len(self._unsubmitted)
+
+    def submit_next(self) -> None:
+        """Submit the next prepared task (blocks while the pool is full)."""
+        fn, args = self._unsubmitted.popleft()
+        self._group.submit(self._run, fn, *args)
 
     def _run(self, fn: Callable[..., R], *args: object) -> R | None:
         if self.failed:  # another task of this request failed: its bytes are of no use
@@ -225,11 +243,12 @@ class RangeFetch(_Pipeline[None], Generic[T]):
         """The ``[lo, hi)`` file offsets of the reads this request is fetched in."""
         return self.request.pieces(self.chunk_bytes)
 
-    def start(self, buffer: memoryview | None = None) -> None:
-        """Queue every piece (blocks while the pool is full), each received into its place in
-        ``buffer`` (``request.nbytes`` writable bytes; default: new memory)."""
+    def begin(self, buffer: memoryview | None = None) -> None:
+        """Prepare every piece, each to be received into its place in ``buffer``
+        (``request.nbytes`` writable bytes; default: new memory); :meth:`submit_next` queues them
+        one at a time, so the pieces of several ranges can be interleaved."""
         self._buf = buffer if buffer is not None else _new_buffer(self.request.nbytes)
-        self._start([(self._read_piece, piece) for piece in self.pieces])
+        self._prepare([(self._read_piece, piece) for piece in self.pieces])
 
     @property
     def buffered_bytes(self) -> int:
@@ -440,9 +459,10 @@ def fetch_ranges(
     thread_name: str = "uc-range",
     in_place: Callable[[RangeRequest[T]], Sequence[tuple[int, int, memoryview]]] | None = None,
 ) -> FetchStats:
-    """Fetch each request's bytes in parallel pieces, with at most ``max_inflight_bytes`` fetched
-    ahead of the consumer (a :class:`~uc_checkpoint.engine.ranges.ByteBudget`; one larger request is
-    fetched alone), and call ``consume(request, data)`` on this thread for each as soon as it is
+    """Fetch each request's bytes in parallel pieces (the pieces of up to ``workers`` requests
+    queued in turn, one of each, so that the workers read as many different files at once as they
+    can), with at most ``max_inflight_bytes`` fetched ahead of the consumer (a
+    :class:`~uc_checkpoint.engine.ranges.ByteBudget`; one larger request is fetched alone), and call ``consume(request, data)`` on this thread for each as soon as it is
     complete and verified. ``data`` is valid only during the call.
 
     Args:
@@ -462,18 +482,45 @@ def fetch_ranges(
     budget = ByteBudget(max_inflight_bytes)
     buffers = _Buffers(max_inflight_bytes)
     pool = TransferPool(workers, name=thread_name)
-    outstanding = nbytes = queued_pieces = 0
+    # Ranges begun whose pieces are not all queued: their pieces are queued in turn, one of each,
+    # so the workers read as many different files at once as they can. Queued range by range, the
+    # workers all read one file: a store that serves one object's reads one at a time (moto holds
+    # a lock per object around reading all of it) then served one worker at a time.
+    feeding: collections.deque[RangeFetch[T]] = collections.deque()
+    outstanding = nbytes = 0
 
-    def consume_one() -> None:
-        nonlocal outstanding, nbytes, queued_pieces
-        done = ready.get()
+    def finish(done: RangeFetch[T]) -> None:
+        nonlocal outstanding, nbytes
         outstanding -= 1
-        queued_pieces -= len(done.pieces)
         data = done.result()
         consume(done.request, data)
         buffers.give(data)  # ``data`` is valid only during consume: its memory can be received into again
         nbytes += done.request.nbytes
         budget.give(done.buffered_bytes)
+
+    def consume_ready() -> None:
+        while True:
+            try:
+                done = ready.get_nowait()
+            except queue.Empty:
+                return
+            finish(done)
+
+    def feed_one() -> None:
+        # Finished ranges are consumed before a submit that may wait for a free worker: waiting
+        # in the pool's submit left every finished range unconsumed (and its memory not reused)
+        # until the last request was queued.
+        consume_ready()
+        fetch = feeding.popleft()
+        fetch.submit_next()
+        if fetch.unsubmitted:
+            feeding.append(fetch)
+
+    def consume_one() -> None:
+        while feeding:  # a range is ready only once all its pieces have been queued
+            feed_one()
+        if outstanding:
+            finish(ready.get())
 
     try:
         for request in requests:
@@ -486,16 +533,13 @@ def fetch_ranges(
                 record=records.get(request.name),
                 in_place=in_place(request) if in_place is not None else (),
             )
-            # Consume finished ranges rather than wait for a free worker: waiting in the pool's
-            # submit left every finished range unconsumed (and its memory not reused) until the
-            # last request was queued.
-            while outstanding and queued_pieces + len(fetch.pieces) > pool.capacity:
-                consume_one()
             while not budget.try_take(fetch.buffered_bytes):
                 consume_one()
-            fetch.start(buffers.take(request.nbytes))
+            fetch.begin(buffers.take(request.nbytes))
             outstanding += 1
-            queued_pieces += len(fetch.pieces)
+            feeding.append(fetch)
+            while len(feeding) >= workers:
+                feed_one()
         while outstanding:
             consume_one()
     finally:
