@@ -94,8 +94,8 @@ class Series:
     y_fmt: str = "{:.2f}"
     slope_unit: str = ""  # "s per GiB": shows the marginal cost, scaled by slope_scale
     slope_scale: float = 1.0
-    # The store's own cost of the same work (raw boto3): a cost that grows no faster than it is the
-    # store's limit showing, not the client's.
+    # The store's own cost of the same work (raw boto3 doing it): a cost that grows no faster than
+    # it is the store's limit showing, not the client's.
     reference: Series | None = None
 
     @property
@@ -125,7 +125,8 @@ class Series:
         if self.slope_unit:
             text += f"; {g.slope * self.slope_scale:+.3g} {self.slope_unit}"
         if self.store_bound and self.reference is not None:
-            text += f"; the store's own download grows alike, exponent {self.reference.growth.exponent:.2f}"
+            ref = self.reference.cost.split(" (")[0]
+            text += f"; {ref} grows alike, exponent {self.reference.growth.exponent:.2f}"
         return text + ")"
 
 
@@ -182,9 +183,21 @@ def series_of(data: dict[str, Any]) -> list[Series]:
             *([raw] if raw is not None else []),
             Series("size", f"save client CPU-s/GiB ({store})", "MiB", xs,
                    [_per_gib(r, "save_cpu_s") for r in sizes], 0),
-            Series("size", f"load client CPU-s/GiB ({store})", "MiB", xs,
-                   [_per_gib(r, "load_cpu_s") for r in sizes], 0),
         ]  # fmt: skip
+        raw_cpu = (
+            Series("size", f"raw boto3 download client CPU-s/GiB of the same objects ({store}; reference)", "MiB",
+                   xs, [_per_gib(r, "raw_download_cpu_s") for r in sizes], None)
+            if all("raw_download_cpu_s" in r for r in sizes)
+            else None
+        )  # fmt: skip
+        # A client waiting on a store that slows down wakes up more per byte (more, smaller socket
+        # reads): raw boto3 reading the same objects on the same store shows how much of that is
+        # the store's.
+        out.append(
+            Series("size", f"load client CPU-s/GiB ({store})", "MiB", xs, [_per_gib(r, "load_cpu_s") for r in sizes],
+                   0, reference=raw_cpu)
+        )  # fmt: skip
+        out += [raw_cpu] if raw_cpu is not None else []
     tensors = _rows(data, "tensors")
     if len(tensors) >= 2:
         xs = [r["tensors"] for r in tensors]

@@ -71,6 +71,25 @@ def test_endpoint_and_credentials_from_the_environment(
     assert "env/ck/.metadata" in keys(s3_server, s3_bucket)
 
 
+def test_a_checkpoint_id_url_keeps_the_endpoint_of_the_volume_the_writer_was_built_from(
+    s3_server: str, s3_bucket: str, staging: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The environment's endpoint is a closed port: a checkpoint_id opened as a bare URL went there
+    # (the volume's endpoint, credentials and part sizes were dropped for boto3's defaults).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    root = s3_volume(s3_server, s3_bucket, "root", max_attempts=1)
+    url = f"s3://{s3_bucket}/elsewhere/ck"
+    sd = make_state_dict(2, n=2)
+    dcp.save(sd, storage_writer=UCVolumeWriter(root), checkpoint_id=url)
+    assert "elsewhere/ck/.metadata" in keys(s3_server, s3_bucket)
+    out = empty_like_state_dict(sd)
+    dcp.load(out, storage_reader=UCVolumeReader(root), checkpoint_id=url)
+    assert_state_dict_equal(sd, out)
+    carried = root.with_location(url)
+    assert carried is not None and carried.endpoint_url == s3_server and carried.url == url
+    assert root.with_location("/tmp/x") is None and root.with_location("gs://b/x") is None
+
+
 def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str, s3_bucket: str, staging: Path) -> None:
     volume = s3_volume(s3_server, s3_bucket, "mp", multipart_threshold=5 << 20, part_size=5 << 20)
     sd = {"big": torch.randn(3 << 20), "small": torch.arange(7)}  # 12 MiB: three parts

@@ -28,7 +28,7 @@ from uc_checkpoint import (
     UCVolumeWriter,
     VolumeError,
 )
-from uc_checkpoint.volumes import FileRecord, LocalVolume
+from uc_checkpoint.volumes import FileRecord, LocalVolume, MemoryVolume
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -91,6 +91,23 @@ def test_checkpoint_id_replaces_path_and_writer_pickles(tmp_path: Path, staging:
     out = empty_like_state_dict(make_state_dict(4))
     dcp.load(out, storage_reader=reader)
     assert_state_dict_equal(out, make_state_dict(4))
+
+
+def test_checkpoint_id_may_be_a_volume_and_anything_else_is_named(tmp_path: Path, staging: Path) -> None:
+    writer = UCVolumeWriter(tmp_path / "unused")
+    there = LocalVolume(tmp_path / "v")
+    dcp.save(make_state_dict(4), checkpoint_id=there, storage_writer=writer)
+    assert (tmp_path / "v" / ".metadata").is_file() and not (tmp_path / "unused").exists()
+    out = empty_like_state_dict(make_state_dict(4))
+    dcp.load(out, checkpoint_id=there, storage_reader=UCVolumeReader(tmp_path / "unused"))
+    assert_state_dict_equal(out, make_state_dict(4))
+    # A mem:// URL on a writer built from a MemoryVolume is a location in that volume's store (no
+    # other volume can open it).
+    mem = MemoryVolume("root")
+    dcp.save(make_state_dict(4), checkpoint_id="mem://other/ck", storage_writer=UCVolumeWriter(mem))
+    assert ".metadata" in MemoryVolume("other/ck", store=mem.store).list_files()
+    with pytest.raises(TypeError, match="checkpoint_id must be a path, a URL or a uc_checkpoint Volume, got int: 42"):
+        writer.reset(42)  # type: ignore[arg-type]
 
 
 def test_overwrite_replaces_atomically_and_removes_old_files(tmp_path: Path, staging: Path) -> None:

@@ -75,7 +75,8 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
 
     Args:
         path: the checkpoint's location (directory path or URL, or a
-            :class:`~uc_checkpoint.volumes.Volume`); ``checkpoint_id=`` replaces it.
+            :class:`~uc_checkpoint.volumes.Volume`); ``checkpoint_id=`` replaces it (a URL of the
+            same kind as a Volume given here keeps that volume's settings, as for the writer).
         staging_dir: local cache for fetched files (default ``$UC_CHECKPOINT_STAGING_DIR`` or the
             system temp dir); each file is deleted once deserialised.
         download_workers: files (or byte ranges) fetched at once per rank.
@@ -186,7 +187,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
     def path(self, value: Any) -> None:
         pass
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | Volume | None = None) -> None:
         self._reset_location(checkpoint_id)
 
     # ---- metadata -----------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class SessionOwner:
             self._sessions[thread.ident or 0] = (thread, session)
         return session
 
-    def _reset_location(self, checkpoint_id: str | os.PathLike[str] | None) -> Session:
+    def _reset_location(self, checkpoint_id: str | os.PathLike[str] | Volume | None) -> Session:
         """``reset``'s common part: ``checkpoint_id`` (when given) becomes the location of this
         thread's next save or load (and of later ones that pass none, as with DCP's own storage
         classes); returns the fresh session."""
@@ -113,10 +113,33 @@ class SessionOwner:
         location = mine.location if mine is not None else self._location
         if checkpoint_id:
             # The argument, not self._location: another thread may reset it at the same moment.
-            location = os.fspath(checkpoint_id)
+            location = self._location_of(checkpoint_id)
             self._location = location
             self._idle = self._make_session(location)
         return self._new_session(location, fresh=True)
+
+    def _location_of(self, checkpoint_id: object) -> str | Volume:
+        """DCP's ``checkpoint_id`` as a session location: a :class:`Volume` as it is; a path or URL
+        of the kind of store this object was built for carrying its volume's settings
+        (:meth:`Volume.with_location`: an ``S3Volume``'s endpoint, not the default one), else as
+        given (opened with this object's ``volume_options``).
+
+        Raises:
+            TypeError: ``checkpoint_id`` is neither a path, a URL nor a :class:`Volume`.
+        """
+        if isinstance(checkpoint_id, Volume):
+            return checkpoint_id
+        if not isinstance(checkpoint_id, (str, os.PathLike)):
+            raise TypeError(
+                f"checkpoint_id must be a path, a URL or a uc_checkpoint Volume, got {type(checkpoint_id).__name__}: "
+                f"{checkpoint_id!r}"
+            )
+        text = os.fspath(checkpoint_id)
+        if isinstance(self._location, Volume):
+            carried = self._location.with_location(str(text))
+            if carried is not None:
+                return carried
+        return str(text)
 
     # ---- identity -----------------------------------------------------------------------------
     @property

@@ -193,7 +193,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     Args:
         path: the checkpoint's location on the volume (a directory path or URL, or a
             :class:`~uc_checkpoint.volumes.Volume`). ``checkpoint_id=`` passed to ``dcp.save``
-            replaces it.
+            replaces it: a path, a URL or a Volume; a URL of the same kind as a Volume given
+            here keeps that volume's settings (its endpoint, client, part sizes).
         staging_dir: local directory for serialised files before upload. Default:
             ``$UC_CHECKPOINT_STAGING_DIR`` or the system temp dir. Needs free space for the rank's
             share of the checkpoint at most (files are deleted as soon as they are uploaded).
@@ -352,7 +353,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         super().__setstate__(state)
         self._claims = threading.Condition()
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | Volume | None = None) -> None:
         # DCP's first hook on an async save's thread when the save names a checkpoint_id.
         self._claim_staged()
         self._reset_location(checkpoint_id)

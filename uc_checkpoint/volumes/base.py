@@ -105,6 +105,19 @@ class Volume(ABC):
     def child(self, name: str) -> Volume:
         """The location ``name`` below this one (for example one step's checkpoint under a root)."""
 
+    def with_location(self, location: str) -> Volume | None:
+        """``location`` (a path or URL) as a volume of this kind with this volume's settings
+        (endpoint, credentials, part sizes; a shared client where it has one), or None when it names
+        another kind of store, or when this kind has no settings to carry: the location is then
+        opened as given (:func:`~uc_checkpoint.volumes.open_volume`). A storage writer or reader
+        built from a volume opens DCP's ``checkpoint_id`` this way, so that the volume's endpoint is
+        not dropped for the default one.
+
+        Raises:
+            VolumeError: ``location`` is of this kind but not a valid location for it.
+        """
+        return None
+
     # ---- checks -------------------------------------------------------------------------------
     @abstractmethod
     def prepare_for_write(self, create_parents: bool = True) -> None:

@@ -98,6 +98,14 @@ class FsspecVolume(Volume):
     def child(self, name: str) -> FsspecVolume:
         return FsspecVolume(f"{self.url}/{name}", **self.storage_options)
 
+    def with_location(self, location: str) -> FsspecVolume | None:
+        """A URL of this volume's protocol as a volume with the same storage options; None for any
+        other location."""
+        protocol = self.url.split("://", 1)[0]
+        if "://" not in location or location.split("://", 1)[0].lower() != protocol:
+            return None
+        return FsspecVolume(location, **self.storage_options)
+
     # ---- listing caches -----------------------------------------------------------------------
     def _fresh(self, path: str) -> None:
         """Forget what the filesystem cached about ``path`` and its directory, so that the next call

@@ -118,6 +118,11 @@ class MemoryVolume(Volume):
         """The location ``name`` below this one, in the same store."""
         return MemoryVolume(self._key(name), store=self.store)
 
+    def with_location(self, location: str) -> MemoryVolume | None:
+        """A ``mem://`` URL as a location in this volume's store (no other volume can open it);
+        None for any other location."""
+        return MemoryVolume(location[len("mem://") :], store=self.store) if location.startswith("mem://") else None
+
     # ---- checks -------------------------------------------------------------------------------
     def prepare_for_write(self, create_parents: bool = True) -> None:
         store, path = self.store, self.path

@@ -616,7 +616,15 @@ class S3Volume(Volume):
         """The prefix ``prefix/name``, built by the constructor with this volume's settings. It
         shares this volume's client (boto3 clients are thread-safe) and retry count; it has its own
         transfer manager, so ``max_concurrency`` bounds each volume object's requests."""
-        other = S3Volume(f"{self.url}/{name}", **self._settings())
+        return self._at(f"{self.url}/{name}")
+
+    def with_location(self, location: str) -> S3Volume | None:
+        """An ``s3://`` URL (any bucket) as a volume with this one's settings and client, as
+        :meth:`child` builds them; None for any other location."""
+        return self._at(location) if location[:5].lower() == "s3://" else None
+
+    def _at(self, url: str) -> S3Volume:
+        other = S3Volume(url, **self._settings())
         other._shared = self._shared
         return other
 
