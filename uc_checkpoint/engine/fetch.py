@@ -462,8 +462,9 @@ def fetch_ranges(
     """Fetch each request's bytes in parallel pieces (the pieces of up to ``workers`` requests
     queued in turn, one of each, so that the workers read as many different files at once as they
     can), with at most ``max_inflight_bytes`` fetched ahead of the consumer (a
-    :class:`~uc_checkpoint.engine.ranges.ByteBudget`; one larger request is fetched alone), and call ``consume(request, data)`` on this thread for each as soon as it is
-    complete and verified. ``data`` is valid only during the call.
+    :class:`~uc_checkpoint.engine.ranges.ByteBudget`; one larger request is fetched alone), and
+    call ``consume(request, data)`` on this thread for each as soon as it is complete and
+    verified. ``data`` is valid only during the call.
 
     Args:
         records: the record per file whose block CRC-32s verify its ranges (pass none to skip the

@@ -265,7 +265,8 @@ CLIENTS = ClientCache()
 
 
 class _Shared:
-    """What a volume shares with the volumes :meth:`S3Volume.child` makes from it: one boto3 client
+    """What a volume shares with the volumes :meth:`S3Volume.child` and
+    :meth:`S3Volume.with_location` make from it: one boto3 client
     (thread-safe, taken on first use by whichever of them needs it first, from :data:`CLIENTS`
     unless given) and the count of the retries its requests needed. Everything else (settings,
     the transfer manager) belongs to each volume. Holds locks and a client, so it never crosses
