@@ -109,6 +109,17 @@ def test_checkpoint_id_may_be_a_volume_and_anything_else_is_named(tmp_path: Path
     with pytest.raises(TypeError, match="checkpoint_id must be a path, a URL or a uc_checkpoint Volume, got int: 42"):
         writer.reset(42)  # type: ignore[arg-type]
 
+    class BytesPath:  # os.PathLike may give bytes: the path they spell, never the text "b'...'"
+        def __init__(self, path: Path) -> None:
+            self.path = path
+
+        def __fspath__(self) -> bytes:
+            return os.fsencode(self.path)
+
+    dcp.save(make_state_dict(4), checkpoint_id=BytesPath(tmp_path / "b"), storage_writer=writer)  # type: ignore[arg-type]
+    assert (tmp_path / "b" / ".metadata").is_file()
+    assert UCVolumeWriter(BytesPath(tmp_path / "c")).checkpoint_id == str(tmp_path / "c")  # type: ignore[arg-type]
+
 
 def test_overwrite_replaces_atomically_and_removes_old_files(tmp_path: Path, staging: Path) -> None:
     dest = tmp_path / "ckpt"

@@ -59,7 +59,7 @@ class SessionOwner:
     def _init_sessions(self, location: str | os.PathLike[str] | Volume, volume_options: dict[str, Any] | None) -> None:
         """Raises VolumeError at once for a location no volume can take (empty, a bad bucket name,
         options the volume does not have)."""
-        self._location: str | Volume = location if isinstance(location, Volume) else os.fspath(location)
+        self._location: str | Volume = location if isinstance(location, Volume) else os.fsdecode(location)
         self._volume_options: dict[str, Any] = dict(volume_options or {})
         open_volume(self._location, **self._volume_options)
         self._sessions_lock = threading.Lock()
@@ -134,12 +134,12 @@ class SessionOwner:
                 f"checkpoint_id must be a path, a URL or a uc_checkpoint Volume, got {type(checkpoint_id).__name__}: "
                 f"{checkpoint_id!r}"
             )
-        text = os.fspath(checkpoint_id)
+        text = os.fsdecode(checkpoint_id)  # a PathLike may give bytes: decoded, never str(b"...")
         if isinstance(self._location, Volume):
-            carried = self._location.with_location(str(text))
+            carried = self._location.with_location(text)
             if carried is not None:
                 return carried
-        return str(text)
+        return text
 
     # ---- identity -----------------------------------------------------------------------------
     @property
