@@ -134,10 +134,21 @@ def store(work: Path, *, counted: bool, kind: str = "moto") -> Iterator[Store]:
     """An S3 server in its own process on a free port (its CPU and memory are not the client's),
     with bucket :data:`BUCKET`, and with ``counted`` the fault proxy in front of it. ``kind``:
     ``moto`` (objects in memory) or ``localbucket`` (objects in files under ``work``, removed after)."""
-    if kind == "localbucket":
-        with _localbucket(work, counted=counted) as st:
-            yield st
-        return
+    server = _localbucket if kind == "localbucket" else _moto
+    with server(work) as (url, pid):
+        _s3(url).create_bucket(Bucket=BUCKET)
+        if counted:
+            from tests.support.s3_fixtures import FaultProxy
+
+            with FaultProxy(url) as proxy:
+                yield Store(url, proxy.url, proxy, pid)
+        else:
+            yield Store(url, url, None, pid)
+
+
+@contextlib.contextmanager
+def _moto(work: Path) -> Iterator[tuple[str, int]]:
+    """moto's server on a free port: ``(url, pid)``."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     logfile = open(work / f"moto-{port}.log", "wb")  # noqa: SIM115 - closed below
@@ -157,14 +168,7 @@ def store(work: Path, *, counted: bool, kind: str = "moto") -> Iterator[Store]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto server on port {port} did not start; see {logfile.name}") from None
                 time.sleep(0.2)
-        _s3(url).create_bucket(Bucket=BUCKET)
-        if counted:
-            from tests.support.s3_fixtures import FaultProxy
-
-            with FaultProxy(url) as proxy:
-                yield Store(url, proxy.url, proxy, proc.pid)
-        else:
-            yield Store(url, url, None, proc.pid)
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -176,20 +180,15 @@ def store(work: Path, *, counted: bool, kind: str = "moto") -> Iterator[Store]:
 
 
 @contextlib.contextmanager
-def _localbucket(work: Path, *, counted: bool) -> Iterator[Store]:
+def _localbucket(work: Path) -> Iterator[tuple[str, int]]:
+    """localbucket (:func:`benchmarks.mounts.localbucket_server`) keeping its objects under
+    ``work``, removed afterwards: ``(url, pid)``."""
     from .mounts import localbucket_server
 
     root = work / f"localbucket-{uuid.uuid4().hex[:8]}"
     try:
-        with localbucket_server(root / "data") as (url, pid):
-            _s3(url).create_bucket(Bucket=BUCKET)
-            if counted:
-                from tests.support.s3_fixtures import FaultProxy
-
-                with FaultProxy(url) as proxy:
-                    yield Store(url, proxy.url, proxy, pid)
-            else:
-                yield Store(url, url, None, pid)
+        with localbucket_server(root / "data") as served:
+            yield served
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
