@@ -108,6 +108,9 @@ def test_checkpoint_id_may_be_a_volume_and_anything_else_is_named(tmp_path: Path
     assert ".metadata" in MemoryVolume("other/ck", store=mem.store).list_files()
     with pytest.raises(TypeError, match="checkpoint_id must be a path, a URL or a uc_checkpoint Volume, got int: 42"):
         writer.reset(42)  # type: ignore[arg-type]
+    for falsy in ({}, 0, b""):  # not taken for "no checkpoint_id" (only None and "" are)
+        with pytest.raises(TypeError, match=f"got {type(falsy).__name__}"):
+            writer.reset(falsy)  # type: ignore[arg-type]
 
     class BytesPath:  # os.PathLike may give bytes: the path they spell, never the text "b'...'"
         def __init__(self, path: Path) -> None:
@@ -119,6 +122,13 @@ def test_checkpoint_id_may_be_a_volume_and_anything_else_is_named(tmp_path: Path
     dcp.save(make_state_dict(4), checkpoint_id=BytesPath(tmp_path / "b"), storage_writer=writer)  # type: ignore[arg-type]
     assert (tmp_path / "b" / ".metadata").is_file()
     assert UCVolumeWriter(BytesPath(tmp_path / "c")).checkpoint_id == str(tmp_path / "c")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("option", ["download_workers", "max_inflight_bytes", "range_chunk_bytes", "range_gap_bytes"])
+@pytest.mark.parametrize("value", [1.5, True, "4"])
+def test_reader_size_options_must_be_ints(tmp_path: Path, option: str, value: object) -> None:
+    with pytest.raises(TypeError, match=f"{option} must be an int, got {type(value).__name__}"):
+        UCVolumeReader(tmp_path, **{option: value})
 
 
 def test_overwrite_replaces_atomically_and_removes_old_files(tmp_path: Path, staging: Path) -> None:

@@ -132,6 +132,15 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
     ) -> None:
         if not isinstance(path, (str, os.PathLike, Volume)):
             raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
+        sizes = {
+            "download_workers": download_workers,
+            "max_inflight_bytes": max_inflight_bytes,
+            "range_chunk_bytes": range_chunk_bytes,
+            "range_gap_bytes": range_gap_bytes,
+        }
+        for arg, value in sizes.items():  # as the writer checks its counts
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
         if download_workers < 1:
             raise ValueError(f"download_workers must be >= 1, got {download_workers}")
         if max_inflight_bytes < 1:

@@ -111,7 +111,9 @@ class SessionOwner:
         classes); returns the fresh session."""
         mine = self._own_session()
         location = mine.location if mine is not None else self._location
-        if checkpoint_id:
+        # None or "" names no location (as DCP's own storage classes take them); any other value
+        # is checked, falsy ones ({}, 0) included.
+        if checkpoint_id is not None and not (isinstance(checkpoint_id, str) and not checkpoint_id):
             # The argument, not self._location: another thread may reset it at the same moment.
             location = self._location_of(checkpoint_id)
             self._location = location
