@@ -41,6 +41,12 @@ one to reuse (a copy into reused memory takes about half the time). Without thei
 read code back from disk: a process's first 32 MiB copy took 8.3-9.0 ms against 7.7-7.9 after a
 warm one, and an async save's stage ran its first allocation of each tensor ~1 ms slower.
 
+With ``--calls N`` (the runner passes 5 for checkpoints up to 64 MiB) the synchronous save, the load,
+and the boto3 case's upload, download and both halves of the naive path each run N times in the
+process, each call after its own page-cache drop, the saves to N locations; every figure is its
+median over the calls (``_timed_calls``). Peak memory is the highest over the calls. The async
+save runs once.
+
 Every case first times a plain in-memory copy of the state dict (the floor for any async save's
 blocked time). Save cases then measure, in this order:
 
@@ -77,6 +83,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -124,6 +131,23 @@ def _timed(out: dict[str, Any], name: str) -> Iterator[None]:
     yield
     out[f"{name}_s"], out[f"{name}_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
     _put_store_cpu(out, f"{name}_store_cpu_s", s0)
+
+
+def _timed_calls(out: dict[str, Any], name: str, calls: int, call: Callable[[int], object]) -> None:
+    """Phase ``name`` as :func:`_timed`, run ``calls`` times (``call(i)`` for the i-th, from 0):
+    ``out`` gets the median of each figure over the calls, and ``name + "_calls"``. A call of a
+    tenth of a second on this shared 2-core host swings by tens of percent from one to the next
+    (a 30 MiB upload to the same store took 0.07-0.34 s in six calls in a row), so small
+    checkpoints are timed several times per process (see ``--calls``)."""
+    runs: list[dict[str, Any]] = []
+    for i in range(calls):
+        one: dict[str, Any] = {}
+        with _timed(one, name):
+            call(i)
+        runs.append(one)
+    for key in runs[0]:
+        out[key] = statistics.median(run[key] for run in runs)
+    out[f"{name}_calls"] = calls
 
 
 def _exists(url: str) -> Callable[[], bool]:
@@ -282,8 +306,16 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = rss_kib("VmRSS")
     reset_peak_rss()
-    with _timed(out, "sync_save"):
-        dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-sync"), planner=_planner(args.case))
+    _timed_calls(
+        out,
+        "sync_save",
+        args.calls,
+        lambda i: dcp.save(
+            sd,
+            storage_writer=_writer(args.case, args.dest + "-sync" + (f"{i}" if i else "")),
+            planner=_planner(args.case),
+        ),
+    )
     out["sync_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 
     # 2. async save: blocked time and time until .metadata is on the volume. No page-cache drop
@@ -337,8 +369,7 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = rss_kib("VmRSS")
     reset_peak_rss()
-    with _timed(out, "load"):
-        dcp.load(target, storage_reader=_reader(args.case, args.dest))
+    _timed_calls(out, "load", args.calls, lambda i: dcp.load(target, storage_reader=_reader(args.case, args.dest)))
     out["load_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
     state.assert_equal(sd, target)
     out["verified"] = True
@@ -401,16 +432,15 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         shutil.rmtree(Path(tmp) / f"warm{rank}")
         warm = str(Path(tmp) / "naive-warmup")  # all ranks', as the naive path's below
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(warm, thread_count=max(1, len(files))))
-        with _timed(out, "upload"):
-            upload(files, prefix)
-        with _timed(out, "download"):
-            download(files, prefix, Path(tmp) / f"dst{rank}")
-        for p in files:
-            assert (Path(tmp) / f"dst{rank}" / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs"
+        _timed_calls(out, "upload", args.calls, lambda i: upload(files, prefix + (f"-{i}" if i else "")))
+        _timed_calls(out, "download", args.calls, lambda i: download(files, prefix, Path(tmp) / f"dst{rank}-{i}"))
+        for i in range(args.calls):
+            for p in files:
+                assert (Path(tmp) / f"dst{rank}-{i}" / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs"
 
         # The naive staged path: stock writer to local disk with as many files, then upload them.
-        naive, naive_prefix = Path(tmp) / "naive", f"{prefix}-naive"
-        with _timed(out, "naive_save"):
+        def naive_save(i: int) -> None:
+            naive, naive_prefix = Path(tmp) / f"naive{i}", f"{prefix}-naive{i}"
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(naive), thread_count=max(1, len(files))))
             naive_files = sorted(
                 p for p in naive.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_")
@@ -420,17 +450,26 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
             if rank == 0:  # last, once every rank's data is up, as a checkpoint is published
                 client.upload_file(str(naive / ".metadata"), bucket, f"{naive_prefix}/.metadata")
             barrier()
-        local = Path(tmp) / "naive-dst"
+
+        _timed_calls(out, "naive_save", args.calls, naive_save)
+        naive_prefix = f"{prefix}-naive0"
+        naive_files = sorted(
+            p for p in (Path(tmp) / "naive0").iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_")
+        )
         dcp.load(
             state.build(args.kind, args.size_mb << 20, mesh, zeros=True), storage_reader=dcp.FileSystemReader(warm)
         )
         target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
-        with _timed(out, "naive_load"):
+
+        def naive_load(i: int) -> None:
+            local = Path(tmp) / f"naive-dst{i}"  # all ranks', as the naive path's save
             download(naive_files, naive_prefix, local)
             if rank == 0:
                 client.download_file(bucket, f"{naive_prefix}/.metadata", str(local / ".metadata"))
             barrier()
             dcp.load(target, storage_reader=dcp.FileSystemReader(str(local)))
+
+        _timed_calls(out, "naive_load", args.calls, naive_load)
         state.assert_equal(sd, target)
         barrier()  # rank 0 removes the shared directory on leaving
     out["verified"] = True
@@ -450,8 +489,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ours: also time an async save into the staging buffers the first one left (step 2b)",
     )
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=1,
+        help="times each synchronous save, load, upload and download phase runs in this process; "
+        "its figures are the medians over them (the async save runs once)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.calls < 1:
+        p.error("--calls must be >= 1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
 
     mesh = None

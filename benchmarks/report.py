@@ -437,6 +437,23 @@ def _plot(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo, path: Path
     return True
 
 
+def _calls_text(raw: dict[str, Any]) -> str:
+    """How many times the cases ran each synchronous phase per process, where more than once
+    (``benchmarks.case --calls``), in words for the report's header; "" otherwise."""
+    by_size = sorted(
+        {(r["size_mb"], int(r.get("sync_save_calls", r.get("naive_save_calls", 1)))) for r in raw["results"]}
+    )
+    several = [f"{mb} MiB" for mb, calls in by_size if calls > 1]
+    if not several:
+        return ""
+    calls = max(calls for _mb, calls in by_size)
+    return (
+        f"; at {', '.join(several)} each case ran every synchronous save, load, upload and download "
+        f"{calls} times in its process and kept the median (one such call lasts a tenth of a second), "
+        "the async save once"
+    )
+
+
 def write_report(raw: dict[str, Any], path: Path) -> None:
     """Write the markdown report (and its plots under ``<path stem>/``)."""
     m = medians(raw["results"], raw["args"]["size_mb"])
@@ -457,7 +474,7 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         f"Python {mach['python']}, torch {mach['torch']}, boto3 {mach['boto3']}, moto {mach['moto']} (S3 server "
         f"on 127.0.0.1, objects in memory, sharing the cores with the client){fuse}. "
         f"Run {mach['date']}: state-dict kinds and requested sizes {', '.join(_kind_sizes(a))} (actual sizes "
-        f"below), ranks {', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below).",
+        f"below), ranks {', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below){_calls_text(raw)}.",
         "",
     ]
     if raw.get("note"):

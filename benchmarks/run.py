@@ -96,6 +96,11 @@ KEPT_BUFFERS_CASES = ("uc-s3", "uc-s3-unsigned")
 #: The cases run against localbucket too (every other case runs on moto only).
 EVERY_STORE_CASES = DIRECT_CASES + STORELESS_CASES
 STORES = ("moto", "localbucket")
+#: Checkpoints up to this size (MiB) have each synchronous phase of a case run SMALL_CALLS times in
+#: its process, the median kept (``benchmarks.case --calls``): their calls last a tenth of a second,
+#: where this host's swings are tens of percent of one call.
+SMALL_MB = 64
+SMALL_CALLS = 5
 # The fake credentials every case uses (neither server checks them); a developer's session token or
 # profile must not mix with them.
 _FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -157,6 +162,32 @@ def parse_kind(spec: str, default_mb: int) -> tuple[str, int]:
     return kind, int(size) if size else default_mb
 
 
+def narrower_run(
+    committed: Path, sets: list[tuple[str, int]], args: argparse.Namespace, cases: list[str], stores: list[str]
+) -> str | None:
+    """Why this run covers less than the one whose results are committed at ``committed`` (its
+    sizes, ranks, cases, stores or repeats), or None when it covers as much (or nothing is
+    committed): a quick check must not replace the report of a full run."""
+    try:
+        old = json.loads(committed.read_text())
+        old_args = old["args"]
+        old_sets = {parse_kind(k, old_args["size_mb"]) for k in old_args["kinds"]}
+        old_cases = set(old_args["cases"]) - set(old.get("skipped_cases", []))
+        old_stores, old_ranks, old_repeats = set(old_args["stores"]), set(old_args["ranks"]), old_args["repeats"]
+    except (OSError, ValueError, KeyError, TypeError, argparse.ArgumentTypeError):
+        return None
+    missing = [
+        ("sizes", sorted(f"{k}:{mb}" for k, mb in old_sets - set(sets))),
+        ("ranks", sorted(map(str, old_ranks - set(args.ranks)))),
+        ("cases", sorted(old_cases - set(cases))),
+        ("stores", sorted(old_stores - set(stores))),
+    ]
+    gaps = [f"{what} {', '.join(names)}" for what, names in missing if names]
+    if args.repeats < old_repeats:
+        gaps.append(f"{args.repeats} repeats against {old_repeats}")
+    return "; ".join(gaps) or None
+
+
 def run_case(
     name: str,
     ranks: int,
@@ -166,9 +197,11 @@ def run_case(
     env: dict[str, str],
     timeout: float,
     store: str = "moto",
+    calls: int = 1,
 ) -> list[dict[str, Any]]:
     """Run one case in a fresh process or torchrun job against ``store`` (whose server's pid is in
-    ``env``); returns one result dict per rank, each with the store and its CPU over the run."""
+    ``env``), each of its synchronous phases ``calls`` times (medians kept); returns one result
+    dict per rank, each with the store and its CPU over the run."""
     run_id = uuid.uuid4().hex[:10]
     case, dest, visible = case_plan(name, run_id, dirs)
     out = dirs["work"] / f"result-{run_id}.json"
@@ -185,6 +218,8 @@ def run_case(
         str(out),
         "--timeout",
         str(timeout),
+        "--calls",
+        str(calls),
     ]
     if visible:
         args += ["--visible", visible]
@@ -312,9 +347,22 @@ def main(argv: list[str] | None = None) -> int:
         f"on localbucket only the direct-S3 and store-less cases run ({', '.join(EVERY_STORE_CASES)})",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take")
-    p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument(
+        "--calls",
+        type=int,
+        help=f"times each synchronous phase runs per case process, medians kept (default: {SMALL_CALLS} "
+        f"for checkpoints up to {SMALL_MB} MiB, else 1)",
+    )
+    p.add_argument(
+        "--report",
+        help="where the report goes (its raw results beside it, .json). Default docs/benchmarks.md "
+        "(and the README's latest-run table), unless this run covers less than the one committed "
+        "there: then a scratch report under the system's temp directory",
+    )
     p.add_argument("--workdir", help="scratch directory (default: a new temp dir, removed afterwards)")
     args = p.parse_args(argv)
+    if args.calls is not None and args.calls < 1:
+        p.error("--calls must be >= 1")
     try:
         sets = [parse_kind(k, args.size_mb) for k in args.kinds]
     except argparse.ArgumentTypeError as exc:
@@ -347,6 +395,19 @@ def main(argv: list[str] | None = None) -> int:
     stores, store_note = _pick_stores(args.stores, localbucket_available)
     if store_note:
         log.info("%s", store_note)
+    committed = REPO / "docs" / "benchmarks.md"
+    if args.report is None:
+        narrower = narrower_run(committed.with_suffix(".json"), sets, args, cases, stores)
+        args.report = str(committed)
+        if narrower:
+            args.report = str(Path(tempfile.gettempdir()) / "uc-bench-partial" / "benchmarks.md")
+            log.info(
+                "this run covers less than the committed one (missing %s): its report goes to %s, "
+                "not %s (pass --report to choose)",
+                narrower,
+                args.report,
+                os.path.relpath(committed, REPO),
+            )
     # FUSE mounts (and their tools) only for the cases that use them, which run on moto only.
     fuse = "moto" in stores and any(c not in EVERY_STORE_CASES for c in cases)
     if fuse:
@@ -387,7 +448,10 @@ def main(argv: list[str] | None = None) -> int:
                                 size_mb,
                                 ranks,
                             )
-                            for r in run_case(name, ranks, kind, size_mb, dirs, envs[store], args.timeout, store):
+                            calls = args.calls or (SMALL_CALLS if size_mb <= SMALL_MB else 1)
+                            for r in run_case(
+                                name, ranks, kind, size_mb, dirs, envs[store], args.timeout, store, calls
+                            ):
                                 r["repeat"] = repeat
                                 r["size_mb"] = size_mb
                                 results.append(r)

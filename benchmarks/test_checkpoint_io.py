@@ -182,16 +182,25 @@ def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch:
     monkeypatch.setattr(case.dcp, "load", load)
     dest = str(tmp_path / "ckpt")
     args = argparse.Namespace(
-        case="uc", dest=dest, visible=dest + "/.metadata", kind="gpt", size_mb=2, timeout=60.0, kept_buffers=False
+        case="uc",
+        dest=dest,
+        visible=dest + "/.metadata",
+        kind="gpt",
+        size_mb=2,
+        timeout=60.0,
+        kept_buffers=False,
+        calls=2,
     )
     out = case.run_save_load(args, state.build("gpt", 2 << 20, None), None, 0)
 
-    assert out["verified"] and out["load_s"] > 0
+    assert out["verified"] and out["load_s"] > 0 and out["sync_save_calls"] == out["load_calls"] == 2
     assert events == [
         ("save", "ckpt-warmup", False),
         ("async_save", "ckpt-warmup-async", False),  # the async path's code warm, on a tiny state
         ("save", "ckpt-sync", True),
+        ("save", "ckpt-sync1", True),  # each timed call a save of its own
         ("async_save", "ckpt", False),
         ("load", "ckpt-warmup", False),
+        ("load", "ckpt", True),
         ("load", "ckpt", True),
     ]

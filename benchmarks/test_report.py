@@ -1,10 +1,15 @@
 """The report's arithmetic: medians per (kind, size, ranks, store), the target ratios, client and store
-CPU, the --kinds and --stores choices."""
+CPU, the --kinds and --stores choices, medians over a case's calls, and where a narrowed run's report
+goes."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +23,7 @@ from benchmarks.report import (
     update_readme,
     write_report,
 )
-from benchmarks.run import _pick_stores, parse_kind
+from benchmarks.run import _pick_stores, narrower_run, parse_kind
 
 MIB = 1 << 20
 
@@ -437,3 +442,60 @@ def test_the_kept_buffers_blocked_time_is_its_own_row() -> None:
     assert rows[label] == ("<= 1.1x", "0.50x", True)  # against the 0.1 s copy
     # runs without that measure (older ones, other cases) have no such row
     assert label not in {r[0] for r in cost_targets(medians(_costs(32, uc_save=0.3, naive_save=0.2)), combo)}
+
+
+def test_a_phase_run_several_times_keeps_each_figures_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import case
+
+    figures = iter([(0.10, 0.05), (0.90, 0.40), (0.12, 0.07), (0.11, 0.30), (0.50, 0.06)])
+
+    @contextmanager
+    def timed(out: dict[str, Any], name: str) -> Iterator[None]:
+        yield
+        out[f"{name}_s"], out[f"{name}_cpu_s"] = next(figures)
+
+    monkeypatch.setattr(case, "_timed", timed)
+    seen: list[int] = []
+    out: dict[str, Any] = {}
+    case._timed_calls(out, "sync_save", 5, seen.append)
+    assert seen == [0, 1, 2, 3, 4]
+    # each figure's own median (not the figures of the median call)
+    assert out == {"sync_save_s": 0.12, "sync_save_cpu_s": 0.07, "sync_save_calls": 5}
+
+
+def _committed(tmp_path: Path) -> Path:
+    path = tmp_path / "benchmarks.json"
+    args = {
+        "size_mb": 256,
+        "kinds": ["gpt:32", "gpt:256"],
+        "ranks": [1],
+        "repeats": 3,
+        "cases": ["uc-s3", "boto3", "s3tc"],
+        "stores": ["moto", "localbucket"],
+    }
+    path.write_text(json.dumps({"args": args, "skipped_cases": ["s3tc"], "results": []}))
+    return path
+
+
+def test_a_run_covering_less_than_the_committed_one_is_named_so(tmp_path: Path) -> None:
+    committed = _committed(tmp_path)
+
+    def run(
+        kinds: list[str],
+        *,
+        ranks: tuple[int, ...] = (1,),
+        repeats: int = 3,
+        cases: tuple[str, ...] = ("uc-s3", "boto3"),
+        stores: tuple[str, ...] = ("moto", "localbucket"),
+    ) -> str | None:
+        args = argparse.Namespace(ranks=list(ranks), repeats=repeats)
+        return narrower_run(committed, [parse_kind(k, 256) for k in kinds], args, list(cases), list(stores))
+
+    assert run(["gpt:32", "gpt"]) is None  # the same grid (s3tc was skipped there)
+    assert run(["gpt:32", "gpt:256", "gpt:1024"], ranks=(1, 2), repeats=5) is None  # more
+    assert run(["gpt:32"]) == "sizes gpt:256"
+    assert run(["gpt:32", "gpt:256"], repeats=1, cases=("uc-s3",), stores=("moto",)) == (
+        "cases boto3; stores localbucket; 1 repeats against 3"
+    )
+    assert run(["gpt:32", "gpt:256"], ranks=(2,)) == "ranks 1"
+    assert narrower_run(tmp_path / "none.json", [("gpt", 32)], argparse.Namespace(ranks=[1], repeats=1), [], []) is None

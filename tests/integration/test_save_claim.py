@@ -1,8 +1,10 @@
-"""A save claims its location (a listing and a marker PUT: tens of ms on an object store) in the
-background while its data files are serialised, and uploads nothing before the claim holds."""
+"""A save claims its location (a listing, the marker's PUT and the claim's PUT: tens of ms on an
+object store) in the background while its data files are serialised; it uploads nothing before its
+marker is on the volume, and publishes nothing before the whole claim held."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.conftest import cause
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.errors import LocationNotEmptyError
+from uc_checkpoint.errors import LocationNotEmptyError, TransferError
 from uc_checkpoint.format.integrity import FileRecord
 from uc_checkpoint.format.layout import parse_save_marker
 from uc_checkpoint.volumes import LocalVolume
@@ -102,3 +104,106 @@ def test_a_refused_claim_uploads_nothing(tmp_path: Path, staging: Path) -> None:
     assert "upload" not in events and "marker" not in events, events
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
     assert list(staging.rglob("*.distcp")) == []  # the serialised files were removed with staging
+
+
+class LateClaimVolume(LocalVolume):
+    """A local volume whose claim write waits for the save's first upload (at most 10 s), then
+    succeeds or, with ``fail``, raises: an object store's claim PUT still in flight, or failing,
+    while data files go up."""
+
+    def __init__(self, path: Path, events: list[str], *, fail: bool = False) -> None:
+        super().__init__(path)
+        self.events, self.fail = events, fail
+        self.uploading = threading.Event()
+        self.waited_out = False
+
+    def write_tagged(self, name: str, data: bytes) -> str | None:
+        self.waited_out = not self.uploading.wait(10)
+        self.events.append("claim")
+        if self.fail:
+            raise TransferError(f"writing {self.url_of(name)} failed: the store went away")
+        return super().write_tagged(name, data)
+
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
+        self.events.append("marker" if parse_save_marker(name) else name)
+        return super().publish_bytes(name, data, overwrite=overwrite)
+
+    def upload_file(self, local_path: Path, name: str, *, sync: bool = True) -> FileRecord:
+        self.events.append("upload")
+        self.uploading.set()
+        return super().upload_file(local_path, name, sync=sync)
+
+
+def test_uploads_wait_for_the_marker_not_for_the_claims_put(tmp_path: Path, staging: Path) -> None:
+    events: list[str] = []
+    volume = LateClaimVolume(tmp_path / "ckpt", events)
+    sd = {f"w{i}": torch.full((1 << 14,), float(i)) for i in range(4)}  # 64 KiB each
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    assert not volume.waited_out, events
+    assert events.index("marker") < events.index("upload") < events.index("claim") < events.index(".metadata"), events
+    out = {k: torch.zeros(1 << 14) for k in sd}
+    dcp.load(out, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_a_claim_that_fails_after_uploads_began_publishes_nothing_and_keeps_the_old_checkpoint(
+    tmp_path: Path, staging: Path
+) -> None:
+    dest = tmp_path / "ckpt"
+    old = {f"w{i}": torch.full((1 << 14,), -1.0 - i) for i in range(4)}
+    dcp.save(old, storage_writer=UCVolumeWriter(dest, file_size_bytes=64 << 10))
+    before = {p.name: p.read_bytes() for p in dest.iterdir() if p.name == ".metadata" or p.suffix == ".distcp"}
+    events: list[str] = []
+    volume = LateClaimVolume(dest, events, fail=True)
+    new = {k: torch.full((1 << 14,), float(i)) for i, k in enumerate(old)}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(new, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    assert isinstance(cause(ei), TransferError) and ".uc-claim" in str(cause(ei)), cause(ei)
+    assert "upload" in events and ".metadata" not in events, events
+    # The checkpoint that was there is whole and still the published one.
+    assert {name: (dest / name).read_bytes() for name in before} == before
+    out = {k: torch.zeros(1 << 14) for k in old}
+    dcp.load(out, storage_reader=UCVolumeReader(dest))
+    assert all(torch.equal(out[k], old[k]) for k in old)
+
+
+class MeetingChecksVolume(LocalVolume):
+    """A local volume that vouches for its uploads and tags its claim, as S3 does, so that the
+    publish asks for the claim's tag and the published ``.metadata``'s size (two HEADs on S3)
+    instead of listing: the first of each waits (at most 10 s) until the other is asked too."""
+
+    verifies_uploads = True
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.meeting = threading.Barrier(2, timeout=10)
+        self.lock, self.met = threading.Lock(), set[str]()
+
+    def write_tagged(self, name: str, data: bytes) -> str | None:
+        super().write_tagged(name, data)
+        return "claim-tag"
+
+    def tag_of(self, name: str) -> str | None:
+        self._meet(name)
+        return "claim-tag" if self._path(name).exists() else None
+
+    def size(self, name: str) -> int | None:
+        if name == ".metadata":
+            self._meet(name)
+        return super().size(name)
+
+    def _meet(self, name: str) -> None:
+        with self.lock:
+            first = name not in self.met
+            self.met.add(name)
+        if first:
+            self.meeting.wait()
+
+
+def test_the_publish_asks_for_the_claim_and_the_published_metadata_at_once(tmp_path: Path, staging: Path) -> None:
+    volume = MeetingChecksVolume(tmp_path / "ckpt")
+    sd = {"w": torch.arange(1 << 14, dtype=torch.float32)}
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, sync_files=False))  # asked one after the other: a broken barrier
+    out = {"w": torch.zeros(1 << 14)}
+    dcp.load(out, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
+    assert torch.equal(out["w"], sd["w"])

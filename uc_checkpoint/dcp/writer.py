@@ -129,6 +129,8 @@ class _SaveSession(Session):
         ticket: keeps the interpreter's exit waiting while the save is in flight.
         claim: the claim on the location (:func:`publish.begin_save`, running in the background;
             the coordinator's, or each rank's in a rank-local save), None on other ranks.
+        marked: done once the claim's first step put this save's marker on the volume (or
+            failed): what uploads wait for. None where ``claim`` is.
         lease: the kept staging buffers the async save's snapshot copied into, given back once
             the rank's files are serialised (:class:`~uc_checkpoint.dcp.buffers.BufferLease`).
     """
@@ -140,7 +142,32 @@ class _SaveSession(Session):
     staging: Path | None = None
     ticket: exit_guard.SaveTicket | None = None
     claim: concurrent.futures.Future[publish.Claim] | None = None
+    marked: concurrent.futures.Future[None] | None = None
     lease: BufferLease | None = None
+
+    def start_claim(self, volume: Volume, *, overwrite: bool, create_parents: bool) -> None:
+        """Claim the location in the background (:func:`publish.begin_save`): ``marked`` is
+        settled when the marker is on the volume, ``claim`` when the whole claim is."""
+        marked: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.marked = marked
+        self.claim = _in_background(
+            publish.begin_save,
+            volume,
+            self.marker(),
+            self.save_id,
+            overwrite=overwrite,
+            create_parents=create_parents,
+            on_marked=lambda: marked.set_result(None),
+        )
+        # Runs on the claiming thread once it is done: a claim refused before its marker was
+        # written hands its error to whoever waits for the marker.
+        self.claim.add_done_callback(lambda claim: _settle_marked(marked, claim))
+
+    def wait_marked(self) -> None:
+        """Wait until this save's marker is on the volume (nothing of the save may be uploaded
+        before); raises what claiming the location raised before that."""
+        if self.marked is not None:
+            self.marked.result()
 
     def claimed(self) -> publish.Claim:
         """Wait until this save holds its location (:func:`publish.begin_save`, run in the
@@ -495,17 +522,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             # be created (write_data creates it again), so a failed plan leaves no directory behind.
             remove_staging_dir(create_staging_dir(self._staging_path()))
             if self.is_coordinator or not self.use_collectives:
-                # Claiming the location is a listing and a PUT (tens of ms on an object store): it
-                # runs while DCP gathers the plans and, with one writer, while its files are
-                # serialised. Nothing is uploaded before it succeeded (see ``claimed``).
-                save.claim = _in_background(
-                    publish.begin_save,
-                    self.volume,
-                    save.marker(),
-                    save.save_id,
-                    overwrite=self.overwrite,
-                    create_parents=self.create_parents,
-                )
+                # Claiming the location is a listing and two PUTs (tens of ms on an object store):
+                # it runs while DCP gathers the plans and, with one writer, while its files are
+                # serialised. Nothing is uploaded before its marker is there (``wait_marked``),
+                # nothing published before the whole claim held (``claimed``).
+                save.start_claim(self.volume, overwrite=self.overwrite, create_parents=self.create_parents)
         if self.use_collectives:
             return plan
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -517,9 +538,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if len(plans) > 1:
-            # Other ranks upload as soon as they get their plans: the location must be ours first.
+            # Other ranks upload as soon as they get their plans: the marker must be there first.
             with self._save.ending_on_error():
-                self._save.claimed()
+                self._save.wait_marked()
         token, spread = self._save.token, self._spread_count(len(plans))
         if spread > 1:
             logger.info("spreading the data files of %s over %d key prefixes", self.volume.url, spread)
@@ -538,16 +559,16 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save, volume = self._save, self.volume
-        # A single writer claims its location while it serialises: the claim (a listing and a PUT,
-        # tens of ms on an object store) gates the uploads, not the serialiser, which would
-        # otherwise wait for it after its first file.
+        # A single writer claims its location while it serialises: the claim's first steps (a
+        # listing and the marker's PUT, tens of ms on an object store) gate the uploads, not the
+        # serialiser, which would otherwise wait for them after its first file.
         uploads = UploadSession(
             volume,
             self._staging_path(),
             workers=self.upload_workers,
             sync=self.sync_volume,
             rank=self._rank(),
-            before_upload=save.claimed,
+            before_upload=save.wait_marked,
         )
         save.staging = uploads.staging
         uploads.add_done_callback(save.forget_staging)
@@ -589,13 +610,21 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         referenced = {info.relative_path for info in storage_md.values()}
         publish.check_data_files(volume, listing, {name: r.size for name, r in records.items()}, referenced)
         try:
-            # The claim alone says which save publishes: a second judge (the newest marker by the
-            # store's clock, of one-second resolution on S3) could disagree and refuse both.
-            publish.check_claim(volume, marker, claim)
-            complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
             meta_name = marker.metadata_name()
             read_manifest = _manifest_reader(volume.url_of(meta_name))
-            current = publish.read_published(volume, meta_name, listing, self._save.published_digest, read_manifest)
+            args = (volume, meta_name, listing, self._save.published_digest, read_manifest)
+            # Unlisted (S3), the claim's HEAD and the published .metadata's HEAD are independent:
+            # sent together, they cost the publish one round trip instead of two.
+            published = _in_background(publish.read_published, *args) if listing is None else None
+            try:
+                # The claim alone says which save publishes: a second judge (the newest marker by
+                # the store's clock, of one-second resolution on S3) could disagree and refuse both.
+                publish.check_claim(volume, marker, claim)
+            finally:
+                if published is not None:
+                    concurrent.futures.wait([published])  # nothing of this save runs on after it
+            complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
+            current = published.result() if published is not None else publish.read_published(*args)
             superseded = _files_of_published(volume, meta_name, current)
             blob = metadata_io.dump_metadata(metadata)
             publish.publish_metadata(volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest)
@@ -609,7 +638,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
 
 def _in_background(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[_T]:
-    """Run ``fn`` on a new daemon thread; its result or exception comes back through the future."""
+    """Run ``fn`` on a new daemon thread (named for it); its result or exception comes back
+    through the future."""
     future: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
     def run() -> None:
@@ -618,8 +648,20 @@ def _in_background(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> concurre
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(exc)
 
-    threading.Thread(target=run, name="uc-claim", daemon=True).start()
+    threading.Thread(target=run, name=f"uc-{getattr(fn, '__name__', 'save')}", daemon=True).start()
     return future
+
+
+def _settle_marked(marked: concurrent.futures.Future[None], claim: concurrent.futures.Future[publish.Claim]) -> None:
+    """Settle ``marked`` from the finished ``claim`` unless the marker's step already did: with
+    the claim's error when it failed before writing the marker."""
+    if marked.done():
+        return
+    error = claim.exception()
+    if error is None:
+        marked.set_result(None)
+    else:
+        marked.set_exception(error)
 
 
 def _check_arguments(
