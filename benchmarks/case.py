@@ -409,6 +409,10 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
                 )
             )
 
+    def rank_files(directory: Path) -> list[Path]:
+        """This rank's data files in a checkpoint directory, by name."""
+        return sorted(p for p in directory.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
+
     def barrier() -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -423,7 +427,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         # Raw boto3 on our object layout: stage with our writer to a local directory (untimed).
         src = Path(tmp) / "src"
         dcp.save(sd, storage_writer=UCVolumeWriter(str(src)))
-        files = sorted(p for p in src.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_"))
+        files = rank_files(src)
         out["file_bytes"] = sum(p.stat().st_size for p in files)
         out["files"] = len(files)
         # Untimed, as every case's step 0: each transfer and each half of the naive path once.
@@ -442,10 +446,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         def naive_save(i: int) -> None:
             naive, naive_prefix = Path(tmp) / f"naive{i}", f"{prefix}-naive{i}"
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(naive), thread_count=max(1, len(files))))
-            naive_files = sorted(
-                p for p in naive.iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_")
-            )
-            upload(naive_files, naive_prefix)
+            upload(rank_files(naive), naive_prefix)
             barrier()
             if rank == 0:  # last, once every rank's data is up, as a checkpoint is published
                 client.upload_file(str(naive / ".metadata"), bucket, f"{naive_prefix}/.metadata")
@@ -453,9 +454,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
 
         _timed_calls(out, "naive_save", args.calls, naive_save)
         naive_prefix = f"{prefix}-naive0"
-        naive_files = sorted(
-            p for p in (Path(tmp) / "naive0").iterdir() if p.suffix == ".distcp" and p.name.startswith(f"__{rank}_")
-        )
+        naive_files = rank_files(Path(tmp) / "naive0")
         dcp.load(
             state.build(args.kind, args.size_mb << 20, mesh, zeros=True), storage_reader=dcp.FileSystemReader(warm)
         )

@@ -30,7 +30,7 @@ from torch.futures import Future
 from uc_checkpoint.dcp import metadata_io
 from uc_checkpoint.dcp.compat import _StorageInfo
 from uc_checkpoint.dcp.items import ChunkShapes, ItemLoader, chunk_shapes
-from uc_checkpoint.dcp.sessions import Session, SessionOwner
+from uc_checkpoint.dcp.sessions import Session, SessionOwner, check_types
 from uc_checkpoint.engine.fetch import fetch_files, fetch_ranges
 from uc_checkpoint.engine.ranges import (
     DEFAULT_CHUNK_BYTES,
@@ -130,17 +130,13 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         allow_unsafe_metadata: bool = False,
         volume_options: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike, Volume)):
-            raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
         sizes = {
             "download_workers": download_workers,
             "max_inflight_bytes": max_inflight_bytes,
             "range_chunk_bytes": range_chunk_bytes,
             "range_gap_bytes": range_gap_bytes,
         }
-        for arg, value in sizes.items():  # as the writer checks its counts
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+        check_types(path, sizes)
         if download_workers < 1:
             raise ValueError(f"download_workers must be >= 1, got {download_workers}")
         if max_inflight_bytes < 1:

@@ -13,11 +13,26 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from uc_checkpoint.errors import VolumeError
 from uc_checkpoint.volumes import Volume, open_volume
+
+
+def check_types(path: object, ints: Mapping[str, object]) -> None:
+    """The argument types a storage writer and reader share: ``path`` a path, URL or
+    :class:`Volume`, and each of ``ints`` (argument name -> value) an int (a bool is not one).
+
+    Raises:
+        TypeError: naming the first argument of the wrong type, and that type.
+    """
+    if not isinstance(path, (str, os.PathLike, Volume)):
+        raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
+    for arg, value in ints.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
 
 
 @dataclass

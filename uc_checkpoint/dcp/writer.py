@@ -61,7 +61,7 @@ from uc_checkpoint.dcp.serialize import (
     with_file_prefix,
     write_files,
 )
-from uc_checkpoint.dcp.sessions import Session, SessionOwner
+from uc_checkpoint.dcp.sessions import Session, SessionOwner, check_types
 from uc_checkpoint.dcp.stager import UnsupportedSnapshot, cpu_snapshot
 from uc_checkpoint.engine import publish
 from uc_checkpoint.engine.listing import checkpoint_files
@@ -669,17 +669,13 @@ def _check_arguments(
 ) -> None:
     """The writer's argument checks: TypeError for a wrong type, then ValueError for a value below 1
     (or ``spread_prefixes`` above :data:`~uc_checkpoint.format.layout.MAX_SPREAD_PREFIXES`)."""
-    if not isinstance(path, (str, os.PathLike, Volume)):
-        raise TypeError(f"path must be a path, URL or Volume, got {type(path).__name__}")
     counts = {
         "upload_workers": upload_workers,
         "thread_count": thread_count,
         "file_size_bytes": 1 if file_size_bytes is None else file_size_bytes,
         "spread_prefixes": 1 if spread_prefixes is None else spread_prefixes,
     }
-    for arg, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+    check_types(path, counts)
     for arg, value in counts.items():
         if value < 1:  # type: ignore[operator]  # an int, checked above
             raise ValueError(f"{arg} must be >= 1, got {value}")
