@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "--report",
         help="where the report goes (its raw results beside it, .json). Default docs/benchmarks.md "
         "(and the README's latest-run table), unless this run covers less than the one committed "
-        "there: then a scratch report under the system's temp directory",
+        "there: then a scratch report in a new directory under the system's temp directory",
     )
     p.add_argument("--workdir", help="scratch directory (default: a new temp dir, removed afterwards)")
     args = p.parse_args(argv)
@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         narrower = narrower_run(committed.with_suffix(".json"), sets, args, cases, stores)
         args.report = str(committed)
         if narrower:
-            args.report = str(Path(tempfile.gettempdir()) / "uc-bench-partial" / "benchmarks.md")
+            # A directory of its own per run: a second quick run must not overwrite the first.
+            args.report = str(Path(tempfile.mkdtemp(prefix="uc-bench-partial-")) / "benchmarks.md")
             log.info(
                 "this run covers less than the committed one (missing %s): its report goes to %s, "
                 "not %s (pass --report to choose)",
