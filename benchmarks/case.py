@@ -43,7 +43,7 @@ warm one, and an async save's stage ran its first allocation of each tensor ~1 m
 
 With ``--calls N`` (the runner passes 5 for checkpoints up to 64 MiB) the synchronous save, the load,
 and the boto3 case's upload, download and both halves of the naive path each run N times in the
-process, each call after its own page-cache drop, the saves to N locations; every figure is its
+process, each call from its own settled memory state (below), the saves to N locations; every figure is its
 median over the calls (``_timed_calls``). Peak memory is the highest over the calls. The async
 save runs once.
 
@@ -64,16 +64,26 @@ blocked time). Save cases then measure, in this order:
 3. ``dcp.load`` into zeros: ``load_s``, and the loaded state is compared with what was saved,
    tensor by tensor (a mismatch fails the case).
 
-Every save, upload, download and load phase of every case (not the async save, below) starts
-right after the page cache is dropped (when root; ``_drop_page_cache``), so all of them write and
-read under the same kernel memory state. That matters here: on this VM, a write into the page cache that no drop preceded cost
-about twice the CPU, in the writing client and in the store alike (measured on localbucket, 242 MiB:
-store 0.85 against 0.46 CPU-s, the naive path's client 1.0 against 0.7), and the harness once
-dropped it before the naive save (through its download) but not before ours. The in-memory copy and
-the async save (whose blocked time is compared with that copy) time memory copies, not I/O, and run
-without a drop: after one, a copy into new memory took either its usual time or about half, at
-random (256 MiB: 0.026 or 0.059 s), and a process's first copy read torch's copy code back from disk
-(12 major faults, ~50 ms for 32 MiB).
+Every timed phase of every case (the in-memory copy, each call of a save, upload, download or
+load, and the async save) starts from the same memory state (``_settle``): the page cache dropped
+(when root; ``_drop_page_cache``), then three times the rank's share of the checkpoint touched and
+freed by a child process (``_preheat``; a phase's new memory is at most a staged copy, its staged
+files and the store's copy). Both matter on this VM, which hands memory the guest freed more than
+~2 s before back to its host (virtio-balloon free page reporting); touching such memory again
+costs host page faults that the guest counts as the toucher's CPU (measured: 4 GiB touched right
+after 4 GiB were freed, 0.8-0.9 s; 5-10 s after, 3.4-3.6 s). Memory freed just before a phase is
+taken first by the phase's allocations, so what a phase costs depended on what freed memory
+preceded it: a write into the page cache with no drop before it cost about twice the CPU, in the
+writing client and in the store alike (localbucket, 242 MiB: store 0.85 against 0.46 CPU-s, the
+naive path's client 1.0 against 0.7); the async save, once timed without a drop, reached
+``.metadata`` in 1.2-1.8 s at 256 MiB on localbucket against 0.55-0.65 s for the synchronous
+save before it (client and store each at twice the CPU); and after a drop alone a copy into new
+memory took either its usual time or about half (256 MiB: 0.059 or 0.026 s), as the drop had freed
+enough or not. Settled, every phase allocates memory its host backs, as on a host that keeps freed
+memory (bare metal, or a VM without such a balloon). The copy's tiny warm-up runs after its
+settle (a drop can take code the process has not run yet); the async save's ran earlier, and its
+blocked time settled matched the copy's (256 MiB on localbucket, three runs: 0.053-0.055 s against
+0.053-0.056 s).
 """
 
 from __future__ import annotations
@@ -84,6 +94,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +112,10 @@ from . import state
 from .cpu import reset_peak_rss, rss_kib, self_cpu_s, store_cpu_s
 
 POLL_S = 0.005
+#: Memory touched and freed before each timed phase, in multiples of the rank's share of the
+#: checkpoint: the most new memory a phase takes (a staged copy, staged files, the store's copy).
+HEAT_FACTOR = 3
+_PREHEAT = "import mmap, sys; mmap.mmap(-1, int(sys.argv[1]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE).close()"
 
 
 def _put_store_cpu(out: dict[str, Any], key: str, before: float | None) -> None:
@@ -118,13 +134,29 @@ def _drop_page_cache() -> None:
         pass  # not root: phases then run from whatever the page cache holds
 
 
+def _preheat(nbytes: int) -> None:
+    """Touch ``nbytes`` of anonymous memory and free it again, so that the phase that follows
+    allocates memory this VM's host already backs (see the module docstring: memory the guest freed
+    more than ~2 s ago is handed back to the host, and touching it again costs ~0.7 CPU-s/GiB)."""
+    if nbytes > 0:
+        # In a child process, so that this process's peak memory (VmHWM) stays its phases' own.
+        subprocess.run([sys.executable, "-S", "-c", _PREHEAT, str(nbytes)], check=True)
+
+
+def _settle(heat: int) -> None:
+    """The memory state every timed phase starts from: page cache dropped, then ``heat`` bytes of
+    memory touched and freed (:func:`_preheat`)."""
+    _drop_page_cache()
+    _preheat(heat)
+
+
 @contextmanager
-def _timed(out: dict[str, Any], name: str) -> Iterator[None]:
+def _timed(out: dict[str, Any], name: str, heat: int = 0) -> Iterator[None]:
     """Time the body as phase ``name``: ``out[name + "_s"]`` (wall), ``name + "_cpu_s"`` (this
     process) and ``name + "_store_cpu_s"`` (the S3 server, when named). The clock starts once the
-    page cache is dropped and every rank is there, so every phase runs from the same page-cache
-    state (see the module docstring)."""
-    _drop_page_cache()
+    memory is settled (:func:`_settle` with ``heat`` bytes) and every rank is there, so every phase
+    runs from the same page-cache and memory state (see the module docstring)."""
+    _settle(heat)
     if dist.is_initialized():
         dist.barrier()
     t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
@@ -133,7 +165,7 @@ def _timed(out: dict[str, Any], name: str) -> Iterator[None]:
     _put_store_cpu(out, f"{name}_store_cpu_s", s0)
 
 
-def _timed_calls(out: dict[str, Any], name: str, calls: int, call: Callable[[int], object]) -> None:
+def _timed_calls(out: dict[str, Any], name: str, calls: int, call: Callable[[int], object], heat: int = 0) -> None:
     """Phase ``name`` as :func:`_timed`, run ``calls`` times (``call(i)`` for the i-th, from 0):
     ``out`` gets the median of each figure over the calls, and ``name + "_calls"``. A call of a
     tenth of a second on this shared 2-core host swings by tens of percent from one to the next
@@ -142,7 +174,7 @@ def _timed_calls(out: dict[str, Any], name: str, calls: int, call: Callable[[int
     runs: list[dict[str, Any]] = []
     for i in range(calls):
         one: dict[str, Any] = {}
-        with _timed(one, name):
+        with _timed(one, name, heat):
             call(i)
         runs.append(one)
     for key in runs[0]:
@@ -263,7 +295,13 @@ def _tiny_state() -> dict[str, Any]:
     return {"model": {"w": torch.ones(1 << 16)}, "optim": {"m": torch.ones(1 << 16)}, "step": 1}
 
 
+def _heat(sd: Any) -> int:
+    """Bytes :func:`_settle` touches before a phase on the state dict ``sd``."""
+    return HEAT_FACTOR * state.nbytes(sd)
+
+
 def _timed_copy(sd: Any) -> float:
+    _settle(_heat(sd))
     state.cpu_copy(_tiny_state())  # the copy's code warm, as every timed call's (module docstring)
     t0 = time.perf_counter()
     copy = state.cpu_copy(sd)
@@ -315,15 +353,17 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
             storage_writer=_writer(args.case, args.dest + "-sync" + (f"{i}" if i else "")),
             planner=_planner(args.case),
         ),
+        _heat(sd),
     )
     out["sync_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
 
-    # 2. async save: blocked time and time until .metadata is on the volume. No page-cache drop
-    # before it (nor before the copy it is compared with), see the module docstring.
-    if dist.is_initialized():
-        dist.barrier()
+    # 2. async save: blocked time and time until .metadata is on the volume, from the memory state
+    # of every other phase (and of the copy it is compared with), see the module docstring.
     probe = _exists(args.visible) if rank == 0 else None
     gc.collect()
+    _settle(_heat(sd))
+    if dist.is_initialized():
+        dist.barrier()
     base = rss_kib("VmRSS")
     reset_peak_rss()
     # Ours keeps its snapshot's memory for 2b (a first save with StagingBuffers allocates as
@@ -369,7 +409,9 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     gc.collect()
     base = rss_kib("VmRSS")
     reset_peak_rss()
-    _timed_calls(out, "load", args.calls, lambda i: dcp.load(target, storage_reader=_reader(args.case, args.dest)))
+    _timed_calls(
+        out, "load", args.calls, lambda i: dcp.load(target, storage_reader=_reader(args.case, args.dest)), _heat(sd)
+    )
     out["load_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
     state.assert_equal(sd, target)
     out["verified"] = True
@@ -436,8 +478,9 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
         shutil.rmtree(Path(tmp) / f"warm{rank}")
         warm = str(Path(tmp) / "naive-warmup")  # all ranks', as the naive path's below
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(warm, thread_count=max(1, len(files))))
-        _timed_calls(out, "upload", args.calls, lambda i: upload(files, prefix + (f"-{i}" if i else "")))
-        _timed_calls(out, "download", args.calls, lambda i: download(files, prefix, Path(tmp) / f"dst{rank}-{i}"))
+        heat = _heat(sd)
+        _timed_calls(out, "upload", args.calls, lambda i: upload(files, prefix + (f"-{i}" if i else "")), heat)
+        _timed_calls(out, "download", args.calls, lambda i: download(files, prefix, Path(tmp) / f"dst{rank}-{i}"), heat)
         for i in range(args.calls):
             for p in files:
                 assert (Path(tmp) / f"dst{rank}-{i}" / p.name).read_bytes() == p.read_bytes(), f"{p.name} differs"
@@ -452,7 +495,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
                 client.upload_file(str(naive / ".metadata"), bucket, f"{naive_prefix}/.metadata")
             barrier()
 
-        _timed_calls(out, "naive_save", args.calls, naive_save)
+        _timed_calls(out, "naive_save", args.calls, naive_save, heat)
         naive_prefix = f"{prefix}-naive0"
         naive_files = rank_files(Path(tmp) / "naive0")
         dcp.load(
@@ -468,7 +511,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
             barrier()
             dcp.load(target, storage_reader=dcp.FileSystemReader(str(local)))
 
-        _timed_calls(out, "naive_load", args.calls, naive_load)
+        _timed_calls(out, "naive_load", args.calls, naive_load, heat)
         state.assert_equal(sd, target)
         barrier()  # rank 0 removes the shared directory on leaving
     out["verified"] = True

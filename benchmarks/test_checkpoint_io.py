@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
+from typing import Any
 
 import pytest
 
@@ -109,26 +110,65 @@ def test_the_floor_writer_stages_only_a_copy_and_saves_what_it_copied(tmp_path) 
     assert torch.equal(out["model"]["w"], torch.arange(10.0)) and out["step"] == 3
 
 
-def test_timed_phase_starts_its_clock_after_the_page_cache_drop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every timed phase runs from the same page-cache state (benchmarks/case.py's docstring): the
-    drop happens first and is not part of the phase's time."""
+def test_timed_phase_starts_its_clock_after_the_memory_is_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every timed phase runs from the same page-cache and memory state (benchmarks/case.py's
+    docstring): the drop, then the preheat, happen first and are not part of the phase's time."""
     import time
 
     from benchmarks import case
 
-    drops: list[float] = []
+    steps: list[tuple[str, float, int]] = []
 
     def slow_drop() -> None:
-        drops.append(time.perf_counter())
+        steps.append(("drop", time.perf_counter(), 0))
+        time.sleep(0.2)
+
+    def slow_preheat(nbytes: int) -> None:
+        steps.append(("preheat", time.perf_counter(), nbytes))
         time.sleep(0.2)
 
     monkeypatch.setattr(case, "_drop_page_cache", slow_drop)
+    monkeypatch.setattr(case, "_preheat", slow_preheat)
     out: dict = {}
-    with case._timed(out, "naive_save"):
+    with case._timed(out, "naive_save", 3 << 20):
         inside = time.perf_counter()
-    assert len(drops) == 1 and drops[0] < inside
+    assert [(name, n) for name, _, n in steps] == [("drop", 0), ("preheat", 3 << 20)]
+    assert steps[0][1] < steps[1][1] < inside
     assert 0 <= out["naive_save_s"] < 0.2
     assert out["naive_save_cpu_s"] >= 0
+
+
+def test_the_preheat_touches_memory_outside_this_process() -> None:
+    """The preheat must not raise the case process's own peak memory (VmHWM), which the save and
+    load phases report as their peak extra memory."""
+    from benchmarks import case
+    from benchmarks.cpu import reset_peak_rss, rss_kib
+
+    reset_peak_rss()
+    before = rss_kib("VmHWM")
+    case._preheat(256 << 20)
+    assert rss_kib("VmHWM") - before < 64 << 10  # KiB: far below the 256 MiB touched
+
+
+def test_the_in_memory_copy_is_timed_settled_after_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy the async save's blocked time is compared with starts from the memory state the
+    async save starts from, and its tiny warm-up comes after the settle (a drop can take code)."""
+    from benchmarks import case, state
+
+    calls: list[str] = []
+    real_copy = state.cpu_copy
+    monkeypatch.setattr(case, "_settle", lambda heat: calls.append(f"settle {heat}"))
+    sd = state.build("gpt", 2 << 20, None)
+
+    def copy(x: Any) -> Any:  # cpu_copy recurses: only the whole state dicts are recorded
+        if isinstance(x, dict) and set(x) == set(sd):
+            calls.append(f"copy {state.nbytes(x)}")
+        return real_copy(x)
+
+    monkeypatch.setattr(state, "cpu_copy", copy)
+    assert case._timed_copy(sd) > 0
+    tiny = state.nbytes(case._tiny_state())
+    assert calls == [f"settle {case.HEAT_FACTOR * state.nbytes(sd)}", f"copy {tiny}", f"copy {state.nbytes(sd)}"]
 
 
 def test_the_async_and_copy_warm_ups_are_too_small_to_leave_memory_for_the_timed_ones() -> None:
@@ -154,11 +194,14 @@ def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch:
     real_save, real_async, real_load, real_timed = case.dcp.save, case.dcp.async_save, case.dcp.load, case._timed
 
     @contextmanager
-    def timed(out: dict, name: str) -> Iterator[None]:
+    def timed(out: dict, name: str, heat: int = 0) -> Iterator[None]:
         timing[0] = True
-        with real_timed(out, name):
+        with real_timed(out, name, heat):
             yield
         timing[0] = False
+
+    def settle(heat: int) -> None:
+        events.append(("settle", str(heat), timing[0]))
 
     def where(storage: object) -> str:
         return os.path.basename(str(storage.checkpoint_id))  # type: ignore[attr-defined]
@@ -175,7 +218,7 @@ def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch:
         events.append(("load", where(storage_reader), timing[0]))
         return real_load(sd, storage_reader=storage_reader, **kw)
 
-    monkeypatch.setattr(case, "_drop_page_cache", lambda: None)
+    monkeypatch.setattr(case, "_settle", settle)
     monkeypatch.setattr(case, "_timed", timed)
     monkeypatch.setattr(case.dcp, "save", save)
     monkeypatch.setattr(case.dcp, "async_save", async_save)
@@ -191,16 +234,26 @@ def test_save_cases_time_a_load_only_after_an_untimed_one(tmp_path, monkeypatch:
         kept_buffers=False,
         calls=2,
     )
-    out = case.run_save_load(args, state.build("gpt", 2 << 20, None), None, 0)
+    sd = state.build("gpt", 2 << 20, None)
+    out = case.run_save_load(args, sd, None, 0)
 
     assert out["verified"] and out["load_s"] > 0 and out["sync_save_calls"] == out["load_calls"] == 2
-    assert events == [
-        ("save", "ckpt-warmup", False),
-        ("async_save", "ckpt-warmup-async", False),  # the async path's code warm, on a tiny state
-        ("save", "ckpt-sync", True),
-        ("save", "ckpt-sync1", True),  # each timed call a save of its own
-        ("async_save", "ckpt", False),
-        ("load", "ckpt-warmup", False),
-        ("load", "ckpt", True),
-        ("load", "ckpt", True),
-    ]
+    heat = ("settle", str(case.HEAT_FACTOR * state.nbytes(sd)), True)  # inside _timed, before its clock
+    assert (
+        events
+        == [
+            ("save", "ckpt-warmup", False),
+            ("async_save", "ckpt-warmup-async", False),  # the async path's code warm, on a tiny state
+            heat,
+            ("save", "ckpt-sync", True),
+            heat,
+            ("save", "ckpt-sync1", True),  # each timed call a save of its own
+            heat[:2] + (False,),  # the async save from the same memory state as the timed phases
+            ("async_save", "ckpt", False),
+            ("load", "ckpt-warmup", False),
+            heat,
+            ("load", "ckpt", True),
+            heat,
+            ("load", "ckpt", True),
+        ]
+    )

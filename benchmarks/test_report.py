@@ -450,7 +450,7 @@ def test_a_phase_run_several_times_keeps_each_figures_median(monkeypatch: pytest
     figures = iter([(0.10, 0.05), (0.90, 0.40), (0.12, 0.07), (0.11, 0.30), (0.50, 0.06)])
 
     @contextmanager
-    def timed(out: dict[str, Any], name: str) -> Iterator[None]:
+    def timed(out: dict[str, Any], name: str, heat: int = 0) -> Iterator[None]:
         yield
         out[f"{name}_s"], out[f"{name}_cpu_s"] = next(figures)
 
