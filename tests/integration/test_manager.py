@@ -120,6 +120,37 @@ def test_listing_errors_are_retried_then_raised_never_none(
     assert manager.latest() == 4
 
 
+def test_loading_a_step_that_was_never_published_raises_not_found_itself(tmp_path: Path, staging: Path) -> None:
+    """Not DCP's CheckpointException around it: that is a BaseException, which a caller's
+    ``except CheckpointNotFoundError`` (or ``except Exception``) would not catch."""
+    root = tmp_path / "run"
+    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    manager.save(1, state(1))
+    (root / "step_00000002").mkdir()  # 2: a save that never finished (data files, no .metadata)
+    (root / "step_00000002" / "__0_deadbeef_0.distcp").write_bytes(b"x" * 10)
+    for step in (2, 3):  # 3: never saved
+        with pytest.raises(CheckpointNotFoundError, match=rf"at step {step}: .*step_0000000{step}/\.metadata does not"):
+            manager.load(blank(), step=step)
+    target = blank()
+    assert manager.load(target, step=1) == 1 and torch.equal(target["w"], state(1)["w"])
+
+
+def test_a_failing_lookup_of_a_given_step_is_an_error_not_a_missing_step(
+    s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries, staging: Path
+) -> None:
+    root = S3Volume(f"s3://{s3_bucket}/looked-up", endpoint_url=fault_proxy.url, max_attempts=1)
+    manager = CheckpointManager(root, async_save=False, list_backoff_s=0.01)
+    manager.save(1, state(1))
+    fault_proxy.match = lambda method, path: method == "HEAD" and path.endswith("/.metadata")
+    fault_proxy.fail_all = True
+    with pytest.raises(VolumeError, match=r"step_00000001/\.metadata .*after 5 attempts") as exc:
+        manager.load(blank(), step=1)
+    assert isinstance(exc.value.__cause__, TransferError)
+    fault_proxy.fail_all = False
+    target = blank()
+    assert manager.load(target, step=1) == 1 and torch.equal(target["b"], state(1)["b"])
+
+
 def test_missing_bucket_is_an_error_not_an_empty_root(s3_server: str, fast_retries) -> None:
     manager = CheckpointManager(S3Volume("s3://no-such-bucket-here/run", endpoint_url=s3_server))
     with pytest.raises(VolumeError, match="no-such-bucket-here"):

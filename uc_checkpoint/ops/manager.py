@@ -712,21 +712,38 @@ class CheckpointManager:
         unsafe = bool(self.reader_options.get("allow_unsafe_metadata", False))
         return metadata_io.read_metadata(location, allow_unsafe=unsafe)
 
+    def _metadata_exists(self, location: Volume) -> bool:
+        """Whether ``location`` has a ``.metadata`` (one size lookup, retried on TransferError)."""
+        return (
+            self._retry(f"look up {location.url_of(METADATA_NAME)}", lambda: location.size(METADATA_NAME)) is not None
+        )
+
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load the checkpoint of ``step`` (default: :meth:`latest`) into ``state_dict`` in place, on
-        every rank (DCP reshards to this run's world size). Returns the step loaded.
+        every rank (DCP reshards to this run's world size). Returns the step loaded. A given
+        ``step`` costs one lookup of its ``.metadata`` first (a HEAD on object stores, by rank 0).
 
         Raises:
-            CheckpointNotFoundError: no intact published checkpoint (``step=None``), or none at ``step``.
-            VolumeError: the root cannot be listed.
-            CheckpointException (DCP's) with our errors inside: the load failed.
+            CheckpointNotFoundError: no intact published checkpoint (``step=None``), or nothing
+                published at ``step`` (never saved, unfinished or deleted), raised as itself.
+            VolumeError: the root or the step's ``.metadata`` cannot be read (after
+                ``list_attempts`` attempts).
+            CheckpointException (DCP's, a ``BaseException``) with our errors inside: the load
+                failed, including a checkpoint deleted between the lookup and the load.
         """
+        explicit = step is not None
         if step is None:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"no published checkpoint under {self.root.url}")
-        self.wait_until_staged()  # the load writes into tensors a save in flight may still be copying
         location = self.root.child(checkpoint_name(step))
+        # DCP would raise our error wrapped in its CheckpointException (a BaseException): a caller's
+        # ``except CheckpointNotFoundError`` must see a missing step as such.
+        if explicit and not self._on_leader(f"look up step {step}", lambda: self._metadata_exists(location)):
+            raise CheckpointNotFoundError(
+                f"no published checkpoint at step {step}: {location.url_of(METADATA_NAME)} does not exist"
+            )
+        self.wait_until_staged()  # the load writes into tensors a save in flight may still be copying
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
         dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
         self._resumed_from = step
