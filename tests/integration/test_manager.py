@@ -104,20 +104,36 @@ def test_failed_save_keeps_the_previous_checkpoint(
     assert manager.load(target) == 1 and torch.equal(target["w"], state(1)["w"])
 
 
-def test_listing_errors_are_retried_then_raised_never_none(
-    s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries, staging: Path
+@pytest.mark.parametrize(
+    ("fails", "call", "match"),
+    [
+        (  # latest(): the root's listing
+            lambda method, path: method == "GET" and "list-type=2" in path,
+            lambda manager: manager.latest(),
+            r"cannot list checkpoints under s3://.*/listed after 5 attempts",
+        ),
+        (  # load(step=N): the lookup of the step's .metadata
+            lambda method, path: method == "HEAD" and path.endswith("/.metadata"),
+            lambda manager: manager.load(blank(), step=4),
+            r"step_00000004/\.metadata .*after 5 attempts",
+        ),
+    ],
+    ids=["listing", "load-lookup"],
+)
+def test_store_errors_are_retried_then_raised_never_taken_for_no_checkpoint(
+    s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries, staging: Path, fails, call, match
 ) -> None:
     root = S3Volume(f"s3://{s3_bucket}/listed", endpoint_url=fault_proxy.url, max_attempts=1)
     manager = CheckpointManager(root, async_save=False, list_backoff_s=0.01)
     manager.save(4, state(4))
-    fault_proxy.match = lambda method, path: method == "GET" and "list-type=2" in path
+    fault_proxy.match = fails
     fault_proxy.fail_all = True
-    with pytest.raises(VolumeError, match=r"cannot list checkpoints under s3://.*/listed after 5 attempts") as exc:
-        manager.latest()
+    with pytest.raises(VolumeError, match=match) as exc:
+        call(manager)
     assert isinstance(exc.value.__cause__, TransferError)
     fault_proxy.fail_all = False
-    fault_proxy.error_rate = 0.5  # half of the listings fail: retries get through
-    assert manager.latest() == 4
+    fault_proxy.error_rate = 0.5  # half of these requests fail: retries get through
+    assert call(manager) == 4
 
 
 def test_loading_a_step_that_was_never_published_raises_not_found_itself(tmp_path: Path, staging: Path) -> None:
@@ -133,22 +149,6 @@ def test_loading_a_step_that_was_never_published_raises_not_found_itself(tmp_pat
             manager.load(blank(), step=step)
     target = blank()
     assert manager.load(target, step=1) == 1 and torch.equal(target["w"], state(1)["w"])
-
-
-def test_a_failing_lookup_of_a_given_step_is_an_error_not_a_missing_step(
-    s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries, staging: Path
-) -> None:
-    root = S3Volume(f"s3://{s3_bucket}/looked-up", endpoint_url=fault_proxy.url, max_attempts=1)
-    manager = CheckpointManager(root, async_save=False, list_backoff_s=0.01)
-    manager.save(1, state(1))
-    fault_proxy.match = lambda method, path: method == "HEAD" and path.endswith("/.metadata")
-    fault_proxy.fail_all = True
-    with pytest.raises(VolumeError, match=r"step_00000001/\.metadata .*after 5 attempts") as exc:
-        manager.load(blank(), step=1)
-    assert isinstance(exc.value.__cause__, TransferError)
-    fault_proxy.fail_all = False
-    target = blank()
-    assert manager.load(target, step=1) == 1 and torch.equal(target["b"], state(1)["b"])
 
 
 def test_missing_bucket_is_an_error_not_an_empty_root(s3_server: str, fast_retries) -> None:
