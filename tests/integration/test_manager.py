@@ -155,6 +155,10 @@ def test_missing_bucket_is_an_error_not_an_empty_root(s3_server: str, fast_retri
     manager = CheckpointManager(S3Volume("s3://no-such-bucket-here/run", endpoint_url=s3_server))
     with pytest.raises(VolumeError, match="no-such-bucket-here"):
         manager.latest()
+    # A given step is looked up with a HEAD, whose 404 reads the same for a missing key and a
+    # missing bucket: a typo in the bucket must not read as "start from scratch".
+    with pytest.raises(VolumeError, match="bucket 'no-such-bucket-here' does not exist"):
+        manager.load(blank(), step=5)
 
 
 def test_bad_arguments() -> None:

@@ -713,15 +713,24 @@ class CheckpointManager:
         return metadata_io.read_metadata(location, allow_unsafe=unsafe)
 
     def _metadata_exists(self, location: Volume) -> bool:
-        """Whether ``location`` has a ``.metadata`` (one size lookup, retried on TransferError)."""
-        return (
-            self._retry(f"look up {location.url_of(METADATA_NAME)}", lambda: location.size(METADATA_NAME)) is not None
-        )
+        """Whether ``location`` has a ``.metadata``: one size lookup, and when that finds nothing, one
+        listing of ``location`` (each retried on TransferError).
+
+        Raises:
+            VolumeError: either request still fails, or the store is unusable (a missing bucket).
+        """
+        what = f"look up {location.url_of(METADATA_NAME)}"
+        if self._retry(what, lambda: location.size(METADATA_NAME)) is not None:
+            return True
+        # S3 answers a HEAD of a key in a missing bucket with a bare 404, as for a missing key (a
+        # HEAD answer has no body to name the error); a listing tells the two apart.
+        return METADATA_NAME in self._retry(what, location.list_files)
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load the checkpoint of ``step`` (default: :meth:`latest`) into ``state_dict`` in place, on
         every rank (DCP reshards to this run's world size). Returns the step loaded. A given
-        ``step`` costs one lookup of its ``.metadata`` first (a HEAD on object stores, by rank 0).
+        ``step`` costs one lookup of its ``.metadata`` first (a HEAD on object stores, by rank 0; a
+        listing of the step's location too when the HEAD finds nothing).
 
         Raises:
             CheckpointNotFoundError: no intact published checkpoint (``step=None``), or nothing
