@@ -43,8 +43,8 @@ process's own ``os.times()``, as moto runs in it and this process only waits mea
 
 Results: ``docs/benchmarks.json`` (every run), ``docs/benchmarks.md`` (medians, the targets' ratios,
 the machine) and ``docs/benchmarks/*.png``. Needs root for the FUSE mounts (s3fs and bindfs are
-installed with apt-get when missing) and for dropping the page cache before each timed save, upload,
-download and load (see :mod:`benchmarks.case`).
+installed with apt-get when missing) and for dropping the page cache before each timed phase (see
+:mod:`benchmarks.case`: every phase starts from one settled memory state).
 """
 
 from __future__ import annotations

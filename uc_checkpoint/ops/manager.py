@@ -106,7 +106,8 @@ class CheckpointManager:
             reuse_staging_buffers: keep the CPU copy of the state between async saves and copy the
                 next save's state into it (:class:`~uc_checkpoint.dcp.buffers.StagingBuffers`):
                 :meth:`save` blocks for a copy into memory already mapped rather than new memory
-                (0.24-0.73x an in-memory copy's time in docs/benchmarks.md), and the copy of the rank's
+                (the kept-buffer rows of docs/benchmarks.md: about a third of an in-memory copy's
+                time in its latest run), and the copy of the rank's
                 state stays allocated between saves (it exists during each async save anyway).
                 Needs ``async_save=True``, ``async_staging=False`` and ``async_mode="thread"`` (in
                 PROCESS mode each snapshot goes to DCP's daemon with its save: nothing to keep).

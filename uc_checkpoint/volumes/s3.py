@@ -366,8 +366,8 @@ class S3Volume(Volume):
             those headers, for stores that refuse them. Without store checksums, uploads are verified
             by size, and every byte read is still checked against the manifest's CRC-32s.
         sign_payload: whether SigV4 signs each request body (a SHA-256 of every byte sent, and a
-            second read of each staged file for it: a third to half of a save's client CPU, 2.3-2.9
-            against 1.4-1.7 CPU-s/GiB without, docs/benchmarks.md). botocore signs bodies only over
+            second read of each staged file for it: up to a third of a save's client CPU on a
+            plain-HTTP store, the ``uc-s3-unsigned`` rows of docs/benchmarks.md). botocore signs bodies only over
             plain ``http://`` (over ``https`` the CRC-32 and TLS stand in for it); None (default)
             keeps that. False skips it on a plain-HTTP endpoint too (the body's CRC-32 is still sent
             and checked by the store), as s3torchconnector's CRT client always does: for a store
