@@ -67,8 +67,8 @@ blocked time). Save cases then measure, in this order:
 Every timed phase of every case (the in-memory copy, each call of a save, upload, download or
 load, and the async save) starts from the same memory state (``_settle``): the page cache dropped
 (when root; ``_drop_page_cache``), then three times the rank's share of the checkpoint touched and
-freed by a child process (``_preheat``; a phase's new memory is at most a staged copy, its staged
-files and the store's copy). Both matter on this VM, which hands memory the guest freed more than
+freed by a child process (``_preheat``, at most half the memory available; a phase's new memory
+is at most a staged copy, its staged files and the store's copy). Both matter on this VM, which hands memory the guest freed more than
 ~2 s before back to its host (virtio-balloon free page reporting); touching such memory again
 costs host page faults that the guest counts as the toucher's CPU (measured: 4 GiB touched right
 after 4 GiB were freed, 0.8-0.9 s; 5-10 s after, 3.4-3.6 s). Memory freed just before a phase is
@@ -138,9 +138,25 @@ def _preheat(nbytes: int) -> None:
     """Touch ``nbytes`` of anonymous memory and free it again, so that the phase that follows
     allocates memory this VM's host already backs (see the module docstring: memory the guest freed
     more than ~2 s ago is handed back to the host, and touching it again costs ~0.7 CPU-s/GiB)."""
+    # At most half the memory available, so that a large checkpoint on a small host is settled
+    # less, not killed for memory.
+    nbytes = min(nbytes, _available_bytes() // 2)
     if nbytes > 0:
         # In a child process, so that this process's peak memory (VmHWM) stays its phases' own.
         subprocess.run([sys.executable, "-S", "-c", _PREHEAT, str(nbytes)], check=True)
+
+
+def _available_bytes() -> int:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``), in bytes;
+    very large when it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
 
 
 def _settle(heat: int) -> None:

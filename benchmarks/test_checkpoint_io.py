@@ -150,6 +150,18 @@ def test_the_preheat_touches_memory_outside_this_process() -> None:
     assert rss_kib("VmHWM") - before < 64 << 10  # KiB: far below the 256 MiB touched
 
 
+def test_the_preheat_takes_at_most_half_the_memory_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import case
+
+    assert 0 < case._available_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    touched: list[int] = []
+    monkeypatch.setattr(case.subprocess, "run", lambda argv, check: touched.append(int(argv[-1])))
+    monkeypatch.setattr(case, "_available_bytes", lambda: 8 << 20)
+    case._preheat(3 << 30)  # a 1 GiB share's heat on a host with 8 MiB free
+    case._preheat(1 << 20)
+    assert touched == [4 << 20, 1 << 20]
+
+
 def test_the_in_memory_copy_is_timed_settled_after_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy the async save's blocked time is compared with starts from the memory state the
     async save starts from, and its tiny warm-up comes after the settle (a drop can take code)."""
