@@ -472,7 +472,7 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
         "",
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, Linux {mach['kernel']}; "
         f"Python {mach['python']}, torch {mach['torch']}, boto3 {mach['boto3']}, moto {mach['moto']} (S3 server "
-        f"on 127.0.0.1, objects in memory, sharing the cores with the client){fuse}. "
+        f"on 127.0.0.1, objects up to 5 MiB in memory and larger ones in temporary files on local disk, sharing the cores with the client){fuse}. "
         f"Run {mach['date']}: state-dict kinds and requested sizes {', '.join(_kind_sizes(a))} (actual sizes "
         f"below), ranks {', '.join(map(str, a['ranks']))}, {a['repeats']} repeats (medians below){_calls_text(raw)}.",
         "",

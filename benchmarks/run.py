@@ -27,14 +27,14 @@ repeat by repeat so that drift on the machine hits them alike:
                     every store, so each section sets ours beside it in the same run
 ==================  ===========================================================================
 
-Stores (``--stores``): every case runs against ``moto`` (the S3 server above, objects in memory,
-threads of this process). The direct-S3 cases (the headline rows: ``uc-s3`` and ``uc-s3-unsigned``,
-``boto3`` with the naive staged path, ``s3tc``, ``fsspec-s3``) also run against ``localbucket`` (PyPI,
-in the ``bench`` extra: a small disk-backed S3 server, several times moto's download speed), started
-as a process of its own on a free port with a data root under the scratch directory, so that the
-store's limits can be told apart from the clients' costs. localbucket rejects keys ending in "/", so
-s3fs-fuse cannot mount it: the FUSE cases run on moto only. Each result carries its ``store``; the
-report has a section per store.
+Stores (``--stores``): every case runs against ``moto`` (the S3 server above, objects in memory and,
+over 5 MiB, in temporary files; threads of this process). The direct-S3 cases (the headline rows:
+``uc-s3`` and ``uc-s3-unsigned``, ``boto3`` with the naive staged path, ``s3tc``, ``fsspec-s3``)
+also run against ``localbucket`` (PyPI, in the ``bench`` extra: a small disk-backed S3 server,
+several times moto's download speed), started as a process of its own on a free port with a data
+root under the scratch directory, so that the store's limits can be told apart from the clients'
+costs. localbucket rejects keys ending in "/", so s3fs-fuse cannot mount it: the FUSE cases run on
+moto only. Each result carries its ``store``; the report has a section per store.
 
 Store CPU: ``store_cpu_s`` is the S3 server's user + system CPU over the whole case run (moto: this
 process's own ``os.times()``, as moto runs in it and this process only waits meanwhile; localbucket:
@@ -252,7 +252,7 @@ def run_case(
 
 
 def _clean_case(name: str, run_id: str, dirs: dict[str, Path], env: dict[str, str], store: str) -> None:
-    """Delete what a case wrote (moto holds objects in memory; disks are small)."""
+    """Delete what a case wrote (moto holds objects in memory and temporary files; disks are small)."""
     from .mounts import s3_client
 
     client = s3_client(env["AWS_ENDPOINT_URL"])

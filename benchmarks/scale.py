@@ -24,7 +24,7 @@ Sweeps (each point a fresh process, or a torchrun job, against a fresh S3 server
 ==============  ===================================================================================
 
 The S3 server is moto (the size sweep also localbucket), in its own process (so the client CPU
-figures do not include it), restarted for every point (moto keeps objects in memory). Requests are counted on the wire by the tests' fault
+figures do not include it), restarted for every point (moto keeps objects in memory, those over 5 MiB in temporary files). Requests are counted on the wire by the tests' fault
 proxy (``tests/support/s3_fixtures.FaultProxy``, in this process) for the ``ranks``, ``reshard`` and
 ``checkpoints`` sweeps; ``size`` and ``tensors`` talk to the server directly. The many checkpoints of
 the ``checkpoints`` sweep are one real save of a tiny state, its objects copied server-side to N
@@ -133,7 +133,7 @@ class Store:
 def store(work: Path, *, counted: bool, kind: str = "moto") -> Iterator[Store]:
     """An S3 server in its own process on a free port (its CPU and memory are not the client's),
     with bucket :data:`BUCKET`, and with ``counted`` the fault proxy in front of it. ``kind``:
-    ``moto`` (objects in memory) or ``localbucket`` (objects in files under ``work``, removed after)."""
+    ``moto`` (objects in memory, those over 5 MiB in temporary files) or ``localbucket`` (objects in files under ``work``, removed after)."""
     server = _localbucket if kind == "localbucket" else _moto
     with server(work) as (url, pid):
         _s3(url).create_bucket(Bucket=BUCKET)

@@ -347,7 +347,7 @@ def render(data: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         _machine(data),
         "",
-        "The S3 server is moto in its own process (objects in memory, restarted for every point, sharing the "
+        "The S3 server is moto in its own process (objects up to 5 MiB in memory, larger ones in temporary files; restarted for every point, sharing the "
         "cores with the client; the size sweep also runs on localbucket, see there); client CPU is the user + system time of the ranks' processes. Requests are "
         "counted on the wire by the fault proxy. Growth is the log-log slope between the two largest "
         f"points (exponent 0: constant, 1: linear; within +/-{TOLERANCE} of a whole number it is named "

@@ -323,9 +323,10 @@ class CheckpointManager:
             manager.save(step, state)
             loss.backward()                 # overlaps the copy
             manager.wait_until_staged()     # then the parameters may change
-            optimizer.step() After a publish, rank 0 writes the
-        ``latest`` pointer and prunes old checkpoints (in the background for async saves; failures
-        there are logged, never raised into training).
+            optimizer.step()
+
+        After a publish, rank 0 writes the ``latest`` pointer and prunes old checkpoints (in the
+        background for async saves; failures there are logged, never raised into training).
 
         Rollbacks: the first save of this manager below published steps (the run was resumed from
         an older checkpoint, e.g. ``load(state, step=100)`` after a loss spike, or started afresh)
