@@ -48,6 +48,12 @@ class TransferError(UCCheckpointError):
     """Copying a file between staging and the volume failed (after any retries)."""
 
 
+class LandedSizeError(TransferError):
+    """A small file's write was reported done, but read back it has another size on the volume (or
+    is gone): the write was lost, or another writer replaced the file meanwhile. Raised by
+    ``Volume.publish_bytes`` on volumes that check by reading back (local paths, FUSE mounts, fsspec)."""
+
+
 class CheckpointNotFoundError(UCCheckpointError):
     """A location has no published ``.metadata``: no checkpoint, or one whose save never finished."""
 

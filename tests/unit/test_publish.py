@@ -204,6 +204,50 @@ def test_interleaved_starts_still_leave_exactly_one_save_to_publish(volume: Volu
     assert outcomes == ["publishes", "refused"]
 
 
+class _WrittenOverBeforeReadBack:
+    """Another writer acts on a small file between its write and the write's size read-back (the
+    window two saves claiming one location at once share): ``meanwhile[name]`` is the bytes that
+    writer publishes there, or None for a delete (which reads back as a lost write)."""
+
+    meanwhile: dict[str, bytes | None]
+
+    def size(self, name: str) -> int | None:
+        pending = getattr(self, "meanwhile", {})
+        if name in pending:
+            other = pending.pop(name)
+            if other is None:
+                self.delete(name)  # type: ignore[attr-defined]
+            else:
+                self.publish_bytes(name, other)  # type: ignore[attr-defined]
+        return super().size(name)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_claim_written_over_by_another_save_refuses_this_one_not_fails_it(
+    kind: str, tmp_path: Path, memory_root: str
+) -> None:
+    # Two saves claiming at once: B's claim replaced A's between A's write and A's read-back, with
+    # a body of another length (pid and start time vary). A's claim write is not a failed transfer:
+    # A is refused as a concurrent save, B publishes. A CI run once saw A fail with TransferError.
+    volume = make_volume(kind, tmp_path, memory_root, fault=_WrittenOverBeforeReadBack)
+    a, b = SaveMarker(None, "aaaa2222"), SaveMarker(None, "bbbb2222")
+    theirs = b.body("save-b-with-a-longer-id")
+    volume.meanwhile = {".uc-claim": theirs}  # type: ignore[attr-defined]
+    claim_a = begin(volume, a)
+    assert volume.read_bytes(".uc-claim") == theirs
+    with pytest.raises(ConcurrentSaveError, match=r"another save started at this location"):
+        publish.check_claim(volume, a, claim_a)
+    publish.check_claim(volume, b, publish.Claim(published="", tag=None))
+    # The same window on a file only one save writes (.metadata) is still a failed publish ...
+    volume.meanwhile = {".metadata": b"someone else's, longer"}  # type: ignore[attr-defined]
+    with pytest.raises(TransferError, match=r"\.metadata"):
+        volume.publish_bytes(".metadata", b"mine")
+    # ... and a claim that is gone after its write was lost, not taken by another save.
+    volume.meanwhile = {".uc-claim": None}  # type: ignore[attr-defined]
+    with pytest.raises(TransferError, match=r"\.uc-claim"):
+        volume.write_tagged(".uc-claim", a.body("save-a"))
+
+
 # ---- publishing -----------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from uc_checkpoint.errors import CorruptCheckpointError, TransferError, UCCheckpointError
+from uc_checkpoint.errors import CorruptCheckpointError, LandedSizeError, TransferError, UCCheckpointError
 from uc_checkpoint.format.integrity import Digest, FileRecord, copy_stream
 
 __all__ = ["Entry", "FileRecord", "Volume"]
@@ -374,9 +374,17 @@ class Volume(ABC):
         tags (then :meth:`tag_of` gives None too, and callers read the content back instead).
 
         Raises:
-            TransferError: the write failed.
+            TransferError: the write failed (the file is not on the volume after it).
         """
-        self.publish_bytes(name, data, overwrite=True)
+        try:
+            self.publish_bytes(name, data, overwrite=True)
+        except LandedSizeError:
+            # The file written here is one that other writers replace too (a location's claim: the
+            # last save to claim it publishes), so another size read back may be another writer's
+            # file written meanwhile, not a lost write. Callers read the content back (tags are
+            # None here) and tell the two apart; only a file that is gone is this write's failure.
+            if self.size(name) is None:
+                raise
         return None
 
     def tag_of(self, name: str) -> str | None:
@@ -403,6 +411,8 @@ class Volume(ABC):
 
         Raises:
             CheckpointExistsError: ``overwrite=False`` and ``name`` exists.
+            LandedSizeError: (a ``TransferError``) the volume checks by reading the size back, and
+                it differs: the write was lost, or another writer replaced the file meanwhile.
             TransferError: the write failed.
         """
 

@@ -27,7 +27,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from uc_checkpoint.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    LandedSizeError,
+    TransferError,
+    VolumeError,
+)
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path
 
@@ -253,7 +259,7 @@ class FsspecVolume(Volume):
             raise TransferError(f"publishing {where} failed: {exc}") from exc
         landed = self.size(name)
         if landed != len(data):
-            raise TransferError(f"publishing {where}: {landed} bytes on the volume, expected {len(data)}")
+            raise LandedSizeError(f"publishing {where}: {landed} bytes on the volume, expected {len(data)}")
         return False  # a size is not the content: a caching layer may keep the old object's bytes
 
     def remove_if_empty(self) -> None:

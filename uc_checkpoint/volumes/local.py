@@ -20,7 +20,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
+from uc_checkpoint.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    LandedSizeError,
+    TransferError,
+    VolumeError,
+)
 from uc_checkpoint.volumes.base import Entry, Volume
 
 logger = logging.getLogger(__name__)
@@ -335,7 +341,7 @@ class LocalVolume(Volume):
             self._write_in_place(dest, data, overwrite)
         _fsync_dir(self.root)
         if self.size(name) != len(data):
-            raise TransferError(f"publishing {dest}: size on the volume differs from {len(data)} bytes")
+            raise LandedSizeError(f"publishing {dest}: size on the volume differs from {len(data)} bytes")
         return False  # a mount may report a rename as done and lose it: only a read-back tells
 
     def _write_in_place(self, dest: Path, data: bytes, overwrite: bool) -> None:
