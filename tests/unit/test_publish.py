@@ -298,6 +298,34 @@ def test_a_lost_publish_is_detected(kind: str, before: bytes | None, tmp_path: P
     assert volume.read_bytes(".metadata") == before
 
 
+def _metadata(save_id: str, pad: str = "") -> bytes:
+    """A stand-in ``.metadata`` whose manifest (read by ``_json_manifest``) records ``save_id``."""
+    return json.dumps({"save_id": save_id, "saved_by": {"host": "h", "pid": 7, "time": 0}, "pad": pad}).encode()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("same_size", [True, False], ids=["same-size", "other-size"])
+def test_another_save_publishing_right_after_this_one_refuses_it(
+    kind: str, same_size: bool, tmp_path: Path, memory_root: str
+) -> None:
+    # Save B publishes over save A between A's write and A's read-back (B read A's .metadata as
+    # the one it replaces). A did not lose a write: it was replaced by a later save, whose
+    # checkpoint stands. Found by a fresh-user attack (TransferError "the volume lost the write").
+    volume = make_volume(kind, tmp_path, memory_root, fault=_WrittenOverBeforeReadBack)
+    volume.prepare_for_write()
+    old, mine = _metadata("s-old"), _metadata("s-mine")
+    theirs = _metadata("s-late", "" if same_size else "longer")
+    volume.publish_bytes(".metadata", old)
+    volume.meanwhile = {".metadata": theirs}  # type: ignore[attr-defined]
+    with pytest.raises(ConcurrentSaveError, match=r"another save published .*right after this one.*save s-late"):
+        publish.publish_metadata(volume, ".metadata", mine, overwrite=True, read_manifest=_json_manifest, replaced=old)
+    assert volume.read_bytes(".metadata") == theirs
+    # The checkpoint it replaced reading back is a lost write, whoever wrote it.
+    volume.meanwhile = {".metadata": old}  # type: ignore[attr-defined]
+    with pytest.raises(TransferError, match=r"\(save s-old: .*the volume lost the write"):
+        publish.publish_metadata(volume, ".metadata", mine, overwrite=True, read_manifest=_json_manifest, replaced=old)
+
+
 def test_superseded_files_go_and_nothing_else(volume: Volume) -> None:
     volume.prepare_for_write()
     for name in ("__0_old_0.distcp", "__0_old_1.distcp", "__0_new_0.distcp", "__0_other_0.distcp"):

@@ -45,16 +45,9 @@ except ImportError:  # pragma: no cover - older torch
 DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 
-def dcp_async_thread_file() -> str:
-    """Source file of DCP's THREAD-mode ``save_wrapper``: a thread with a frame from it is running an
-    async save (or waiting for its stager)."""
-    from torch.distributed.checkpoint import _async_thread_executor
-
-    return _async_thread_executor.__file__
-
-
 def dcp_saver_file() -> str:
-    """Source file of DCP's ``save``: a thread with a frame from it is still saving."""
+    """Source file of DCP's ``save``: the outermost frame from it on a save's thread is the save's
+    call (see :mod:`uc_checkpoint.dcp.exit_guard`)."""
     from torch.distributed.checkpoint import state_dict_saver
 
     return state_dict_saver.__file__
@@ -169,7 +162,6 @@ __all__ = [
     "_split_by_size_and_type",
     "copy_tensors",
     "cpu_loader",
-    "dcp_async_thread_file",
     "dcp_saver_file",
     "dtensor_like",
     "dtensor_local",

@@ -12,6 +12,12 @@ waits here for every save this process has in flight.
 
 The registry is per process by nature (there is one interpreter exit), which is why it lives in this
 module rather than in the writer or manager objects.
+
+Nothing here reads another thread's stack: walking the ``f_back`` chain of a frame that another
+thread is running is not memory-safe on CPython 3.11 (cpython#99110, #111363; seen here as
+AttributeErrors on garbage, a spinning walk and segfaults with saves running in several threads of
+one process). A save's thread records DCP's ``save`` frame from its own stack, and whether that
+call still runs is asked of the frame object itself.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from types import FrameType
 from typing import Any
 
 from uc_checkpoint.dcp import compat as dcp_compat
@@ -49,10 +56,14 @@ class SaveTicket:
         self.error: BaseException | None = None
         self.opened = time.monotonic()
         self._ended = threading.Event()
+        # DCP's ``save`` call on the bound thread (None: not found, or over). Dropped when the
+        # ticket ends: a frame holds its locals, the state dict being saved among them.
+        self._frame: FrameType | None = None
 
     def bind(self, what: str | None = None) -> None:
-        """The calling thread runs this save."""
+        """The calling thread runs this save (called from inside DCP's ``save``, on its thread)."""
         self.thread = threading.current_thread()
+        self._frame = _outermost_own_frame(dcp_compat.dcp_saver_file())
         if what:
             self.what = what
 
@@ -64,6 +75,7 @@ class SaveTicket:
                 logger.error(
                     "checkpoint save to %s failed in the background: %s: %s", self.what, type(error).__name__, error
                 )
+        self._frame = None
         self._ended.set()
 
     def over(self) -> bool:
@@ -85,7 +97,11 @@ class SaveTicket:
             )
         if not thread.is_alive() or thread is threading.current_thread():
             return True
-        return not _in_file(thread, dcp_compat.dcp_saver_file())
+        frame = self._frame
+        if frame is None or not _running(frame):
+            self._frame = None
+            return True
+        return False
 
     def wait(self) -> None:
         """Block until :meth:`over`, or until an unstarted save has waited ``UNSTARTED_WAIT_S``."""
@@ -96,21 +112,37 @@ class SaveTicket:
             self._ended.wait(0.05)
 
 
-def _in_file(thread: threading.Thread, filename: str) -> bool:
-    frame = sys._current_frames().get(thread.ident or -1)
+def _outermost_own_frame(filename: str) -> FrameType | None:
+    """The outermost frame of the calling thread's stack whose code comes from ``filename`` (the
+    thread's own stack only: safe to walk), or None."""
+    found = None
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename == filename:
-            return True
+            found = frame
         frame = frame.f_back
+    return found
+
+
+def _running(frame: FrameType) -> bool:
+    """Whether ``frame`` is still executing, asked of the frame object alone: ``frame.clear()``
+    refuses a frame that is executing (RuntimeError) and otherwise drops its locals, which the
+    finished frame of a save no longer needs."""
+    try:
+        frame.clear()
+    except RuntimeError:
+        return True
     return False
 
 
 def _dcp_async_saves() -> list[threading.Thread]:
     """Threads running a THREAD-mode ``dcp.async_save`` now, ours or not, including one still
-    waiting for an async stager to finish its copy (no hook of ours has run in it yet)."""
+    waiting for an async stager to finish its copy (no hook of ours has run in it yet): DCP makes an
+    executor of one such thread per async save and shuts it down when the save ends, so a live
+    thread of that name is a save in flight (or one about to exit)."""
     me = threading.current_thread()
-    source = dcp_compat.dcp_async_thread_file()
-    return [t for t in threading.enumerate() if t is not me and t.is_alive() and _in_file(t, source)]
+    prefix = dcp_compat.DCP_ASYNC_THREAD_PREFIX
+    return [t for t in threading.enumerate() if t is not me and t.is_alive() and t.name.startswith(prefix)]
 
 
 class _ExitGuard:
@@ -138,6 +170,10 @@ class _ExitGuard:
             self._tickets = [t for t in self._tickets if not t.over()]
             self._tickets.append(ticket)
         return ticket
+
+    def prune(self) -> None:
+        with self._lock:
+            self._tickets = [t for t in self._tickets if not t.over()]
 
     def watch(self, fut: Future[Any], what: str) -> None:
         with self._lock:
@@ -190,6 +226,13 @@ _GUARD = _ExitGuard()
 def install() -> None:
     """Register the exit callback (idempotent)."""
     _GUARD.install()
+
+
+def prune() -> None:
+    """Forget the saves that are over, with the frames of DCP's ``save`` their tickets held (a save
+    DCP failed between our hooks keeps its frame, and the state dict in it, until asked): called
+    before a snapshot allocates its copy."""
+    _GUARD.prune()
 
 
 def open_ticket(what: str, *, background: bool = False) -> SaveTicket:

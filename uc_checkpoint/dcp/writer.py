@@ -391,6 +391,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         stager copies a DTensor's shard twice); falls back to DCP's stager for a ``ShardedTensor`` or
         another tensor subclass (other than DTensor and Parameter)."""
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
+        exit_guard.prune()  # a failed save's snapshot, held by its ticket, goes before this one is taken
         # Where this thread's saves go, as async_save was called: its last reset(checkpoint_id), as
         # for its synchronous saves, else the writer's; taken before the copy, during which another
         # thread's reset may move the writer.
@@ -627,7 +628,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             current = published.result() if published is not None else publish.read_published(*args)
             superseded = _files_of_published(volume, meta_name, current)
             blob = metadata_io.dump_metadata(metadata)
-            publish.publish_metadata(volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest)
+            publish.publish_metadata(
+                volume, meta_name, blob, overwrite=self.overwrite, read_manifest=read_manifest, replaced=current
+            )
             logger.info("published %s (%d data files)", volume.url_of(meta_name), len(records))
             # A rollback's abandonment marker annotated the checkpoint just replaced (uc_checkpoint.ops.lineage).
             abandoned = claim.abandoned if listing is None else layout.ABANDONED_NAME in listing

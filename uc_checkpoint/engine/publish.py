@@ -33,7 +33,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uc_checkpoint.errors import CheckpointExistsError, ConcurrentSaveError, LocationNotEmptyError, TransferError
+from uc_checkpoint.errors import (
+    CheckpointExistsError,
+    ConcurrentSaveError,
+    LandedSizeError,
+    LocationNotEmptyError,
+    TransferError,
+)
 from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import Volume
 
@@ -268,7 +274,15 @@ def read_published(
     return current
 
 
-def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool, read_manifest: ManifestReader) -> None:
+def publish_metadata(
+    volume: Volume,
+    name: str,
+    blob: bytes,
+    *,
+    overwrite: bool,
+    read_manifest: ManifestReader,
+    replaced: bytes | None = None,
+) -> None:
     """Publish ``blob`` as ``name`` in one atomic write, then read it back unless the store's answer
     to the write already proved the bytes (an object store's CRC-32 or MD5 ETag, see
     :meth:`Volume.publish_bytes`).
@@ -278,13 +292,34 @@ def publish_metadata(volume: Volume, name: str, blob: bytes, *, overwrite: bool,
     checkpoint's files after such a loss would lose both checkpoints, so the caller deletes nothing
     unless this returns.
 
+    ``replaced``: the ``.metadata`` this publish replaces (None: none was there). Reading that
+    back means the write was lost; reading a third save's means that save published right after.
+
     Raises:
         CheckpointExistsError: ``overwrite=False`` and ``name`` exists (from the volume).
+        ConcurrentSaveError: reading it back gives another save's ``.metadata``, not the replaced
+            one: that save published over this one right after it (its manifest names another save
+            id).
         TransferError: the write failed, or reading it back gives other bytes or none.
     """
-    if volume.publish_bytes(name, blob, overwrite=overwrite):
+    try:
+        proved = volume.publish_bytes(name, blob, overwrite=overwrite)
+    except LandedSizeError:
+        proved = False  # told apart below, by what is there now
+    if proved:
         return
     landed = volume.read_bytes(name)
+    if (
+        landed is not None
+        and landed != blob
+        and landed != replaced
+        and _save_id(landed, read_manifest) not in (None, _save_id(blob, read_manifest))
+    ):
+        raise ConcurrentSaveError(
+            f"not published: another save published {volume.url_of(name)} right after this one wrote it "
+            f"({describe_publisher(landed, read_manifest)}); the later save's checkpoint stands, this one is "
+            "abandoned. Nothing was deleted by this save"
+        )
     if landed != blob:
         found = (
             "nothing"
@@ -328,6 +363,15 @@ def _writer_of(raw: bytes | None) -> str | None:
         return f"host {info['host']}, pid {info['pid']}, started {_utc(info['started'])}"
     except Exception:  # noqa: BLE001 - gone, written by something else, or damaged
         return None
+
+
+def _save_id(raw: bytes, read_manifest: ManifestReader) -> str | None:
+    """The save id a ``.metadata``'s manifest records (None: none, or not readable)."""
+    try:
+        save_id = (read_manifest(raw) or {}).get("save_id")
+    except Exception:  # noqa: BLE001 - written by another writer or unreadable
+        return None
+    return save_id if isinstance(save_id, str) and save_id else None
 
 
 def describe_publisher(raw: bytes | None, read_manifest: ManifestReader) -> str:
