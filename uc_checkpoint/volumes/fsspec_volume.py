@@ -39,6 +39,9 @@ from uc_checkpoint.volumes.locations import canonical_key_path
 
 logger = logging.getLogger(__name__)
 
+#: Times a listing is made when entries vanish while it runs (see ``FsspecVolume._scan``).
+LIST_ATTEMPTS = 3
+
 
 class FsspecVolume(Volume):
     """A checkpoint location given as an fsspec URL.
@@ -128,6 +131,13 @@ class FsspecVolume(Volume):
         self._fresh(path)
         return self.fs.ls(path, detail=detail, **_refresh_kwargs(self.fs.ls))
 
+    def _root_exists(self) -> bool:
+        try:
+            self._fresh(self.root)
+            return bool(self.fs.exists(self.root))
+        except Exception:  # noqa: BLE001 - cannot tell: list again, and fail there if it persists
+            return True
+
     def _info(self, path: str) -> dict[str, Any]:
         self._fresh(path)
         return self.fs.info(path, **_refresh_kwargs(self.fs.info))
@@ -151,13 +161,30 @@ class FsspecVolume(Volume):
 
     def _scan(self) -> list[Entry]:
         """One ``ls(detail=True)`` of the location (a missing one lists as empty: object-store
-        filesystems cannot tell an empty prefix from a missing one, so none is reported missing)."""
-        try:
-            found = self._ls(self.root)
-        except FileNotFoundError:
-            return []
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"listing {self.url} failed: {exc}") from exc
+        filesystems cannot tell an empty prefix from a missing one, so none is reported missing).
+
+        A listing that fails on an entry deleted while it ran (fsspec's local filesystem stats each
+        entry it found: FileNotFoundError; its memory filesystem: KeyError) is made again, up to
+        :data:`LIST_ATTEMPTS` times; only a location that is itself gone lists as empty. Read as
+        empty, a save's marker deleted meanwhile would hide every checkpoint there."""
+        error: Exception | None = None
+        for _ in range(LIST_ATTEMPTS):
+            try:
+                found = self._ls(self.root)
+                break
+            except FileNotFoundError as exc:
+                if not self._root_exists():
+                    return []
+                error = exc
+            except KeyError as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001
+                raise TransferError(f"listing {self.url} failed: {exc}") from exc
+        else:
+            raise TransferError(
+                f"listing {self.url} failed {LIST_ATTEMPTS} times, each on an entry that vanished while "
+                f"it ran: {error!r}"
+            ) from error
         out: list[Entry] = []
         for entry in found:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
