@@ -234,3 +234,40 @@ def test_a_real_save_dcp_fails_between_our_hooks_is_over_once_dcp_returns(tmp_pa
     finally:
         release.set()
         thread.join(30)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_save_dcp_stops_between_our_hooks_is_logged_when_in_the_background(
+    mode: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An async save whose future nobody reads must not fail without a word; a synchronous one
+    # raised into its caller, which is word enough.
+    import logging
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from uc_checkpoint import UCVolumeWriter
+
+    class FailingGlobalPlan(DefaultSavePlanner):
+        def create_global_plan(self, all_plans: Any) -> Any:
+            raise RuntimeError("another rank's plan failed")
+
+    where = tmp_path / f"ckpt-{mode}"
+    state, writer = {"w": torch.ones(8)}, UCVolumeWriter(where)
+    with caplog.at_level(logging.ERROR, logger="uc_checkpoint.dcp.exit_guard"):
+        if mode == "async":
+            fut = dcp.async_save(state, storage_writer=writer, planner=FailingGlobalPlan(), no_dist=True)
+            with pytest.raises(BaseException, match="another rank's plan failed"):
+                fut.result(timeout=60)
+        else:
+            with pytest.raises(BaseException, match="another rank's plan failed"):
+                dcp.save(state, storage_writer=writer, planner=FailingGlobalPlan(), no_dist=True)
+        exit_guard.prune()  # what the next save's start (or the exit) does
+    logged = [r.getMessage() for r in caplog.records if r.name == exit_guard.__name__ and str(where) in r.getMessage()]
+    if mode == "async":
+        assert len(logged) == 1 and "failed in the background: DCP stopped it between the writer's steps" in logged[0]
+    else:
+        assert logged == []
+    assert not (where / ".metadata").exists()

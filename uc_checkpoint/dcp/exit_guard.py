@@ -43,8 +43,9 @@ class SaveTicket:
     """One save in flight on this process, as the exit callback sees it.
 
     Opened when a save starts (``stage()`` for an async save, before its thread exists), bound to
-    the thread that runs it, ended when this rank's part is over. A save whose thread dies without
-    ending its ticket (DCP failed between our hooks) counts as over.
+    the thread that runs it, ended when this rank's part is over. A save whose call of DCP's
+    ``save`` has returned, or whose thread has died, without ending its ticket (DCP failed between
+    our hooks) counts as over.
     """
 
     def __init__(self, what: str, *, background: bool = False) -> None:
@@ -59,6 +60,8 @@ class SaveTicket:
         # DCP's ``save`` call on the bound thread (None: not found, or over). Dropped when the
         # ticket ends: a frame holds its locals, the state dict being saved among them.
         self._frame: FrameType | None = None
+        self._frame_lock = threading.Lock()
+        self._reported = False  # a failure found by :meth:`over` is logged once
 
     def bind(self, what: str | None = None) -> None:
         """The calling thread runs this save (called from inside DCP's ``save``, on its thread)."""
@@ -68,7 +71,10 @@ class SaveTicket:
             self.what = what
 
     def end(self, error: BaseException | None = None) -> None:
-        """This rank's part of the save is over (``error``: why it failed)."""
+        """This rank's part of the save is over (``error``: why it failed). A background save's
+        error is logged here; one DCP raised between the writer's steps, which ends no ticket, is
+        logged when :meth:`over` first finds the save's call returned (the next save's start, or
+        the interpreter's exit)."""
         if error is not None and self.error is None:
             self.error = error
             if self.background:
@@ -95,13 +101,30 @@ class SaveTicket:
             return not any(
                 t.name.startswith(dcp_compat.DCP_ASYNC_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate()
             )
-        if not thread.is_alive() or thread is threading.current_thread():
-            return True
-        frame = self._frame
-        if frame is None or not _running(frame):
+        alive, current = thread.is_alive(), thread is threading.current_thread()
+        with self._frame_lock:
+            frame = self._frame
+            running = frame is not None and _running(frame)
+            if alive and not current:
+                if running:
+                    return False
+                if frame is None and thread.name.startswith(dcp_compat.DCP_ASYNC_THREAD_PREFIX):
+                    # DCP's async-save thread took this save at its first hook, which DCP's logger
+                    # calls just before DCP's save begins: the thread is about to run it.
+                    return False
+            if running:
+                return True  # asked from the save's own thread
             self._frame = None
-            return True
-        return False
+            report, self._reported = not self._reported, True
+        if report and self.background and not self._ended.is_set() and (frame is not None or not alive):
+            # DCP stopped the save between the writer's steps (its planner, or another rank,
+            # failed): no hook of ours saw the error, and nobody may ever read the future.
+            logger.error(
+                "checkpoint save to %s failed in the background: DCP stopped it between the writer's "
+                "steps (its error is on the future dcp.async_save returned); nothing was published",
+                self.what,
+            )
+        return True
 
     def wait(self) -> None:
         """Block until :meth:`over`, or until an unstarted save has waited ``UNSTARTED_WAIT_S``."""
