@@ -160,6 +160,21 @@ def assert_ranks_ok(proc: subprocess.CompletedProcess, ranks: int, modes: Iterab
 
 
 @pytest.fixture
+def memory_root() -> Iterator[str]:
+    """A fresh root path in fsspec's in-process memory filesystem (``memory://<root>/...``),
+    removed afterwards."""
+    import uuid
+
+    import fsspec
+
+    root = f"/uc-test-{uuid.uuid4().hex[:12]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+@pytest.fixture
 def single_rank_group(tmp_path: Path) -> Iterator[None]:
     """A real 1-rank gloo process group in this process (FileStore), destroyed afterwards."""
     if dist.is_initialized():

@@ -6,11 +6,8 @@ entry goes mid-listing), since the race cannot be caused on demand."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import fsspec
 import pytest
 
 from uc_checkpoint.errors import TransferError
@@ -29,12 +26,8 @@ class _VanishingEntries(FsspecVolume):
 
 
 @pytest.fixture
-def url() -> Iterator[str]:
-    root = f"memory://uc-listing-{uuid.uuid4().hex[:12]}/ckpt"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
+def url(memory_root: str) -> str:
+    return f"memory://{memory_root}/ckpt"
 
 
 def _volume_with_files(url: str) -> _VanishingEntries:

@@ -8,12 +8,9 @@ import hashlib
 import json
 import os
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
 
 from uc_checkpoint.engine import publish
@@ -30,15 +27,6 @@ def _no_manifest(raw: bytes) -> None:
 
 def _json_manifest(raw: bytes) -> dict[str, Any]:
     return json.loads(raw)
-
-
-@pytest.fixture
-def memory_root() -> Iterator[str]:
-    root = f"/publish-{uuid.uuid4().hex[:8]}"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
 
 
 def make_volume(kind: str, tmp_path: Path, memory_root: str, fault: type | None = None) -> Volume:
