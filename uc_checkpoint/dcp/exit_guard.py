@@ -190,13 +190,17 @@ class _ExitGuard:
         ticket = SaveTicket(what, background=background)
         with self._lock:
             self._register()
-            self._tickets = [t for t in self._tickets if not t.over()]
+            self._prune()
             self._tickets.append(ticket)
         return ticket
 
     def prune(self) -> None:
         with self._lock:
-            self._tickets = [t for t in self._tickets if not t.over()]
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop the tickets that are over. Called holding the lock."""
+        self._tickets = [t for t in self._tickets if not t.over()]
 
     def watch(self, fut: Future[Any], what: str) -> None:
         with self._lock:
