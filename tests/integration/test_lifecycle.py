@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import SCRIPTS, run_script, torchrun
 from tests.support.s3_fixtures import s3_client
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.errors import TransferError, rank_error
+from uc_checkpoint.errors import ConcurrentSaveError, TransferError, rank_error
 from uc_checkpoint.volumes import local as local_volume
 from uc_checkpoint.volumes.local import LocalVolume
 
@@ -183,6 +183,68 @@ def test_a_resave_whose_metadata_is_lost_keeps_the_old_checkpoint(
     still = sorted(p.name for p in loc.iterdir() if not p.name.startswith(".uc-save-"))
     assert set(old_files) <= set(still), (old_files, still)  # every file of the old checkpoint is kept
     assert torch.equal(_load(loc)["a"], torch.full((4096,), 1.0))
+
+
+@pytest.fixture
+def rename_keeps_target(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``os.replace`` onto an existing file reports success and keeps the old file (seen on real
+    rclone mounts); onto a new name it works. Returns the targets it kept."""
+    real = os.replace
+    kept: list[str] = []
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst).exists():
+            os.unlink(src)
+            kept.append(Path(dst).name)
+            return
+        real(src, dst)
+
+    monkeypatch.setattr(local_volume.os, "replace", replace)
+    return kept
+
+
+@pytest.mark.parametrize("spelling", ["path", "file-url"])
+def test_a_claim_the_mount_did_not_keep_is_named_as_such_not_as_another_save(
+    tmp_path: Path, request: pytest.FixtureRequest, spelling: str
+) -> None:
+    loc = tmp_path / "ckpt"
+    target: Path | str = loc if spelling == "path" else f"file://{loc}"
+    dcp.save(_sd(1.0), storage_writer=UCVolumeWriter(target), no_dist=True)
+    claim_before = (loc / ".uc-claim").read_bytes()
+    kept = request.getfixturevalue("rename_keeps_target")
+    err = _save_error(_sd(2.0), UCVolumeWriter(target))
+    assert ".uc-claim" in kept
+    assert isinstance(err, TransferError) and not isinstance(err, ConcurrentSaveError), repr(err)
+    assert f"{loc / '.uc-claim'} was written by this save" in str(err), err
+    assert "the volume did not keep the write" in str(err) and "no other save is involved" in str(err), err
+    assert f"pid {os.getpid()}" in str(err)  # the earlier save's claim, named as such
+    request.getfixturevalue("monkeypatch").undo()
+    assert (loc / ".uc-claim").read_bytes() == claim_before
+    assert torch.equal(_load(loc)["a"], torch.full((4096,), 1.0))  # the old checkpoint, untouched
+    dcp.save(_sd(3.0), storage_writer=UCVolumeWriter(target), no_dist=True)  # a sound mount again
+    assert torch.equal(_load(loc)["a"], torch.full((4096,), 3.0))
+
+
+def test_an_fsspec_claim_the_store_did_not_keep_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
+    url = f"memory://lifecycle-kept-claim-{os.getpid()}/ckpt"
+    dcp.save(_sd(4.0), storage_writer=UCVolumeWriter(url), no_dist=True)
+    fs = fsspec.filesystem("memory")
+    real_pipe = type(fs).pipe_file
+
+    def keeps_old(self: Any, path: str, value: bytes, *args: Any, **kwargs: Any) -> None:
+        if self.exists(path) and not path.endswith(".distcp"):
+            return  # answers as if written, keeps what was there
+        real_pipe(self, path, value, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "pipe_file", keeps_old)
+    err = _save_error(_sd(5.0), UCVolumeWriter(url))
+    monkeypatch.undo()
+    assert isinstance(err, TransferError) and not isinstance(err, ConcurrentSaveError), repr(err)
+    assert "/ckpt/.uc-claim was written by this save" in str(err) and "did not keep the write" in str(err), err
+    assert torch.equal(_load(url)["a"], torch.full((4096,), 4.0))
+    fs.rm(url.removeprefix("memory://").rsplit("/", 1)[0], recursive=True)
 
 
 def test_a_first_publish_that_is_lost_is_an_error(tmp_path: Path, lossy_rename: list[str]) -> None:

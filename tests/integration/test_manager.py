@@ -1,20 +1,25 @@
 """CheckpointManager in one process: saves, retention, the latest pointer, finding the newest intact
 checkpoint (skipping broken ones), loads, and listing errors that must never read as "no checkpoint"
-(a real S3 server behind the fault-injecting proxy)."""
+(a real S3 server behind the fault-injecting proxy); and ``load()`` right after this manager's
+own save, which must load that save (or raise its error), never an older step."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.conftest import HeldInWriteStep
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import UCVolumeWriter
-from uc_checkpoint.errors import CheckpointNotFoundError, TransferError, VolumeError
+from uc_checkpoint.errors import CheckpointNotFoundError, TransferError, VolumeError, rank_error
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume, S3Volume
 
@@ -205,15 +210,127 @@ def test_prune_keeps_protected_and_newer_unpublished_locations(tmp_path: Path, s
     assert LocalVolume(root / "step_00000003").size(".metadata") is not None
 
 
+class HeldAfterStaging(HeldInWriteStep):
+    """:class:`~tests.conftest.HeldInWriteStep` that the save's CPU snapshot shares instead of
+    copying (``copy.deepcopy`` returns it): the save stages, then is held in its write step, with
+    nothing of it published, until the test sets ``release``."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HeldAfterStaging:
+        return self
+
+
+def held_state(step: int, reached: threading.Event, release: threading.Event) -> dict[str, Any]:
+    return {"w": torch.full((1000,), float(step)), "step": step, "held": HeldAfterStaging(reached, release)}
+
+
+def load_while_held(manager: CheckpointManager, target: dict, step: int | None, release: threading.Event) -> int:
+    """``manager.load(target, step)`` from another thread while this manager's save is held in
+    flight; releases the save and returns what the load returned (raises what it raised), checking
+    that the load was still waiting for the save when it was released."""
+    outcome: list[tuple[str, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append(("ok", manager.load(target, step)))
+        except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
+            outcome.append(("error", exc))
+
+    thread = threading.Thread(target=run, name="test-load", daemon=True)
+    thread.start()
+    # Bounds how long a load that does not wait gets to resolve its step before the save is let go
+    # (milliseconds); a load that waits is still waiting, whatever the bound.
+    thread.join(0.5)
+    waiting = thread.is_alive()
+    release.set()
+    thread.join(120)
+    assert not thread.is_alive(), "load() did not return within 120 s of the save's release"
+    kind, value = outcome[0]
+    if kind == "error":
+        raise value
+    assert waiting, "load() returned while this manager's save was still in flight"
+    return value
+
+
+@pytest.fixture(params=["no-process-group", "one-rank-group"])
+def one_rank(request: pytest.FixtureRequest) -> Iterator[None]:
+    """One rank: no process group, or a real 1-rank gloo group (``single_rank_group``)."""
+    if request.param == "one-rank-group":
+        request.getfixturevalue("single_rank_group")
+    yield
+
+
+@pytest.mark.parametrize("async_staging", [False, True], ids=["staged-in-save", "async-staging"])
+@pytest.mark.parametrize(
+    ("published", "in_flight", "asked"),
+    [((), 1, None), ((), 1, 1), ((1,), 2, None), ((1,), 2, 2)],
+    ids=["save-1-load", "save-1-load-step-1", "1-published-save-2-load", "1-published-save-2-load-step-2"],
+)
+def test_load_waits_for_the_managers_own_save_in_flight(
+    tmp_path: Path, staging: Path, one_rank: None, async_staging: bool, published: tuple, in_flight: int, asked
+) -> None:
+    """The save in flight is held after its staging (with async staging: staged, not uploaded), so
+    ``load()`` is called while nothing of it is published: it must wait and load that step."""
+    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, async_staging=async_staging)
+    for step in published:
+        manager.save(step, {"w": torch.full((1000,), float(step)), "step": step})
+        manager.wait()
+    reached, release = threading.Event(), threading.Event()
+    try:
+        done = manager.save(in_flight, held_state(in_flight, reached, release))
+        assert reached.wait(60), "the save never reached its write step"
+        assert not done.done() and manager.latest() == (published[-1] if published else None)
+        target = {"w": torch.zeros(1000), "step": -1}
+        assert load_while_held(manager, target, asked, release) == in_flight
+    finally:
+        release.set()
+    assert torch.equal(target["w"], torch.full((1000,), float(in_flight))) and target["step"] == in_flight
+    assert done.done() and manager.last_save is not None and manager.last_save.ok
+    manager.wait()  # nothing left in flight
+    assert manager.latest() == in_flight
+
+
+@pytest.mark.parametrize("asked", [None, 1], ids=["load", "load-step-1"])
+def test_load_raises_the_error_of_the_save_in_flight_instead_of_loading_an_older_step(
+    staging: Path, one_rank: None, s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries, asked
+) -> None:
+    """Step 1 is published; the store then refuses every upload, so the save of step 2 fails in
+    flight: ``load()`` raises that failure as :meth:`~CheckpointManager.wait` would, then (the error
+    reported) loads step 1 again."""
+    volume = S3Volume(f"s3://{s3_bucket}/inflight-fails", endpoint_url=fault_proxy.url, max_attempts=2)
+    manager = CheckpointManager(volume, keep_last=None)
+    manager.save(1, state(1))
+    manager.wait()
+    fault_proxy.match = lambda method, path: method == "PUT"
+    fault_proxy.fail_all = True
+    manager.save(2, state(2))
+    with pytest.raises(CheckpointException) as exc:
+        manager.load(blank(), step=asked)
+    assert isinstance(rank_error(exc.value), TransferError), exc.value
+    assert manager.last_save is not None and manager.last_save.step == 2 and not manager.last_save.ok
+    fault_proxy.fail_all = False
+    manager.wait()  # the error was raised once, as wait() raises it once
+    target = blank()
+    assert manager.load(target, step=asked) == 1 and torch.equal(target["w"], state(1)["w"])
+
+
 @pytest.mark.slow
 def test_two_ranks_agree_and_errors_reach_every_rank(tmp_path: Path, staging: Path) -> None:
-    from tests.conftest import SCRIPTS, torchrun
+    from tests.conftest import SCRIPTS, assert_ranks_ok, torchrun
 
-    proc = torchrun(SCRIPTS / "manager_multirank.py", str(tmp_path), nproc=2, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "RANK 0 OK" in proc.stdout and "RANK 1 OK" in proc.stdout, out[-6000:]
+    proc = torchrun(SCRIPTS / "manager_multirank.py", str(tmp_path), "agree", nproc=2, timeout=900)
+    assert_ranks_ok(proc, 2, ("agree",))
     assert steps_on_disk(tmp_path / "run") == ["step_00000002", "step_00000003"]
+
+
+@pytest.mark.slow
+def test_two_ranks_load_waits_for_the_managers_own_save_in_flight(tmp_path: Path, staging: Path) -> None:
+    """Every rank calls ``load()`` right after the manager's own async save: each loads the step
+    just saved, or raises that save's error (mode ``inflight`` of the script)."""
+    from tests.conftest import SCRIPTS, assert_ranks_ok, torchrun
+
+    proc = torchrun(SCRIPTS / "manager_multirank.py", str(tmp_path), "inflight", nproc=2, timeout=600)
+    assert_ranks_ok(proc, 2, ("inflight",))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("inflight-")) == ["inflight-fails"]
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 THROTTLE = "throttle"  # 503 SlowDown
 ERROR = "error"  # 500 InternalError
 CUT = "cut"  # connection closed mid-request or mid-response
+LOST = "lost"  # relayed whole to the store, which acts on it; the client's connection then closes unanswered
 STALL = "stall"  # nothing sent back for ``stall_s`` seconds, then relayed (a slow or hung store)
 REJECTED_HEADER = "rejected-header"  # 400 InvalidArgument: "Unsupported header" (S3-compatible stores)
 REJECTED_CONDITION = "rejected-condition"  # 501 NotImplemented for If-None-Match
@@ -243,7 +244,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self._copy_request_body(framing, length, sink=None, partial=True)
                 self._cut()
             else:
-                self._forward(method, target, framing, length, cut=fault == CUT)
+                self._forward(method, target, framing, length, cut=fault == CUT, lose=fault == LOST)
         except (OSError, http.client.HTTPException, _BadRequestBody) as exc:
             # The client went away, sent a malformed body, or the upstream failed after
             # the response started: nothing sensible can follow on this connection.
@@ -343,12 +344,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if method != "HEAD":
             self.wfile.write(body)
 
-    def _forward(self, method: str, target: str, framing: str, length: int, cut: bool) -> None:
+    def _forward(self, method: str, target: str, framing: str, length: int, cut: bool, lose: bool = False) -> None:
         """Send the request upstream and relay the response.
 
         With ``cut`` the upstream still executes the request, but the client gets only the
         status line, headers and about half of the body before the connection closes; a
-        response without a body is not sent at all.
+        response without a body is not sent at all. With ``lose`` the upstream executes it and
+        the client gets nothing: its connection closes once the upstream's response is read.
         """
         conn = self._upstream()
         try:
@@ -371,6 +373,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._close_upstream()
             log.warning("fault proxy: upstream failed for %s %s: %r", method, target, exc)
             self._send_bad_gateway()
+            return
+        if lose:
+            resp.read()
+            self._close_upstream()
+            if self._current is not None:
+                self._current.status = None
+            self._cut()
             return
         try:
             self._relay_response(method, resp, cut)
@@ -511,6 +520,11 @@ class FaultProxy:
     * ``match``: ``None`` (all requests eligible) or ``match(method, target) -> bool``,
       where ``target`` is the raw request target, path plus query, e.g.
       ``"/bucket/key?partNumber=2&uploadId=..."``.
+    * ``choose``: ``None``, or ``choose(method, target) -> kind | None``: the fault for each eligible
+      request, chosen by the test instead of drawn (one of the kinds above, :data:`LOST` included;
+      None forwards it intact). It overrides the rates, not ``fail_all``. :data:`LOST` is only
+      reachable this way: the request goes to the store whole and the store acts on it, then the
+      client's connection closes without an answer (a response lost on the way back).
 
     The rates are cumulative: one draw in [0, 1) selects throttle, then error, then cut,
     so their sum should not exceed 1. Draws happen in request arrival order from a
@@ -543,6 +557,7 @@ class FaultProxy:
         prefix_rate_limit: tuple[PrefixOf, float] | None = None,
         prefix_window_s: float = 1.0,
         latency_s: float = 0.0,
+        choose: Callable[[str, str], str | None] | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -571,6 +586,7 @@ class FaultProxy:
         self._prefix_window: dict[str, collections.deque[float]] = {}
         self._stopping = threading.Event()
         self.match = match
+        self.choose = choose
         self.seed = seed
         self.requests = 0
         self.connections = 0
@@ -678,9 +694,13 @@ class FaultProxy:
             return None
         limit = self.prefix_rate_limit
         prefix = None if limit is None else key_prefix(target, limit[0])
+        choose = self.choose
+        chosen = None if choose is None or self.fail_all else choose(method, target)
         with self._lock:
             if self.fail_all:
                 kind: str | None = THROTTLE
+            elif choose is not None:
+                kind = chosen
             elif prefix is not None and limit is not None and self._over_rate(prefix, limit[1]):
                 kind = THROTTLE
             else:

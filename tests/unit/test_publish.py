@@ -4,6 +4,7 @@ with its read-back, and deleting what a publish superseded."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -111,10 +112,15 @@ def test_stale_uploads_are_looked_for_only_where_a_save_left_its_marker(
     kind: str, tmp_path: Path, memory_root: str
 ) -> None:
     asked: list[float | None] = []
+    kept: list[bool] = []
 
     class RecordsAborts:
-        def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
+        def abort_incomplete_uploads(self, older_than_s: float | None = None, keep: Any = None) -> int:
             asked.append(older_than_s)
+            # This save's own data files are kept, on any rank and spread prefix; others are not.
+            kept.extend(
+                keep(n) for n in ("__0_4567cdef_0.distcp", "0a/__9_4567cdef_12.distcp", "__0_0123abcd_0.distcp")
+            )
             return 0
 
     volume = make_volume(kind, tmp_path, memory_root, RecordsAborts)
@@ -123,6 +129,7 @@ def test_stale_uploads_are_looked_for_only_where_a_save_left_its_marker(
     assert asked == []
     begin(volume, SaveMarker(None, "4567cdef"))
     assert asked == [publish.LIVE_UPLOAD_S]  # another save's marker: its uploads may be live, old ones go
+    assert kept == [True, True, False]
 
 
 # ---- after the uploads ---------------------------------------------------------------------------
@@ -336,3 +343,129 @@ def test_deleting_is_best_effort(kind: str, tmp_path: Path, memory_root: str, ca
     SaveMarker(None, "0123abcd").remove(volume)
     assert tried == ["__0_a_0.distcp", "__0_b_0.distcp", ".uc-save-0123abcd"]  # every one tried, none raised
     assert "could not delete superseded file" in caplog.text and "could not delete the save marker" in caplog.text
+
+
+# ---- an "already exists" or failed answer to this save's own write ------------------------------
+
+
+class _LandsThenAnswers:
+    """Writes ``.metadata`` (as ``landed``, default the bytes given), then answers with ``answer``:
+    a retried conditional write whose first answer was lost, or a write whose answer never came."""
+
+    landed: bytes | None = None
+    answer: Exception = CheckpointExistsError("already exists")
+
+    def publish_bytes(self, name: str, data: bytes, *, overwrite: bool = True) -> bool:
+        if name != ".metadata":
+            return super().publish_bytes(name, data, overwrite=overwrite)  # type: ignore[misc]
+        super().publish_bytes(name, self.landed if self.landed is not None else data, overwrite=True)  # type: ignore[misc]
+        raise self.answer
+
+
+@pytest.fixture
+def link_then_eexist(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``os.link`` creates the link, then reports EEXIST (NFS after a retransmitted request)."""
+    from uc_checkpoint.volumes import local as local_volume
+
+    real, linked = os.link, []
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        real(src, dst, *args, **kwargs)
+        linked.append(Path(dst).name)
+        raise FileExistsError(errno.EEXIST, "File exists", str(dst))
+
+    monkeypatch.setattr(local_volume.os, "link", link)
+    return linked
+
+
+def test_an_exists_answer_from_link_to_this_saves_own_publish_is_a_publish(
+    tmp_path: Path, link_then_eexist: list[str]
+) -> None:
+    volume = LocalVolume(tmp_path / "ckpt")
+    volume.prepare_for_write()
+    mine = _metadata("s-mine")
+    publish.publish_metadata(volume, ".metadata", mine, overwrite=False, read_manifest=_json_manifest)
+    assert link_then_eexist == [".metadata"] and volume.read_bytes(".metadata") == mine
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]  # no temp file left
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("landed", ["same-bytes", "same-save-id"])
+def test_an_exists_answer_to_this_saves_own_publish_is_a_publish(
+    kind: str, landed: str, tmp_path: Path, memory_root: str
+) -> None:
+    volume = make_volume(kind, tmp_path, memory_root, _LandsThenAnswers)
+    volume.prepare_for_write()
+    mine = _metadata("s-mine")
+    if landed == "same-save-id":  # this save's .metadata in another encoding
+        volume.landed = _metadata("s-mine", "re-encoded")  # type: ignore[attr-defined]
+    publish.publish_metadata(volume, ".metadata", mine, overwrite=False, read_manifest=_json_manifest)
+    assert volume.read_bytes(".metadata") in (mine, _metadata("s-mine", "re-encoded"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_exists_answer_over_another_saves_metadata_is_refused_naming_it(
+    kind: str, tmp_path: Path, memory_root: str
+) -> None:
+    volume = make_volume(kind, tmp_path, memory_root, _LandsThenAnswers)
+    volume.prepare_for_write()
+    theirs = _metadata("s-theirs")
+    volume.landed = theirs  # type: ignore[attr-defined]
+    with pytest.raises(CheckpointExistsError, match=r"\.metadata already exists and overwrite=False: .*save s-theirs"):
+        publish.publish_metadata(
+            volume, ".metadata", _metadata("s-mine"), overwrite=False, read_manifest=_json_manifest
+        )
+    assert volume.read_bytes(".metadata") == theirs
+    # Unreadable bytes there are not this save's either.
+    volume.landed = b"not a manifest"  # type: ignore[attr-defined]
+    with pytest.raises(CheckpointExistsError, match="did not record itself"):
+        publish.publish_metadata(
+            volume, ".metadata", _metadata("s-mine"), overwrite=False, read_manifest=_json_manifest
+        )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_write_reported_failed_that_landed_whole_is_a_publish(
+    kind: str, tmp_path: Path, memory_root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    volume = make_volume(kind, tmp_path, memory_root, _LandsThenAnswers)
+    volume.answer = TransferError("connection reset after the store acted")  # type: ignore[attr-defined]
+    volume.prepare_for_write()
+    mine = _metadata("s-mine")
+    publish.publish_metadata(volume, ".metadata", mine, overwrite=True, read_manifest=_json_manifest)
+    assert volume.read_bytes(".metadata") == mine
+    assert "reported a failure, but it is on the volume whole" in caplog.text
+    # Other bytes there (the write did not land): the write's own error.
+    volume.landed = _metadata("s-mine", "torn")  # type: ignore[attr-defined]
+    with pytest.raises(TransferError, match="connection reset after the store acted"):
+        publish.publish_metadata(volume, ".metadata", mine, overwrite=True, read_manifest=_json_manifest)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_claim_the_volume_did_not_keep_is_a_lost_write_not_another_save(
+    kind: str, tmp_path: Path, memory_root: str
+) -> None:
+    class KeepsOldClaim:
+        """Answers as if the claim had been replaced, and keeps the old one."""
+
+        def write_tagged(self, name: str, data: bytes) -> str | None:
+            if self.read_bytes(name) is None:  # type: ignore[attr-defined]
+                return super().write_tagged(name, data)  # type: ignore[misc]
+            return None
+
+    volume = make_volume(kind, tmp_path, memory_root, KeepsOldClaim)
+    earlier = SaveMarker(None, "0123abcd")
+    begin(volume, earlier)
+    earlier.remove(volume)  # the earlier save ended
+    mine = SaveMarker(None, "4567cdef")
+    claim = begin(volume, mine, save_id="save-2")
+    assert claim.previous == volume.read_bytes(".uc-claim")
+    with pytest.raises(TransferError, match="the volume did not keep the write") as err:
+        publish.check_claim(volume, mine, claim)
+    assert not isinstance(err.value, ConcurrentSaveError)
+    assert f"pid {os.getpid()}" in str(err.value) and ".uc-claim was written by this save" in str(err.value)
+    # Another save's claim written over this one's is still a concurrent save.
+    claim = begin(volume, mine, save_id="save-3")
+    volume.publish_bytes(".uc-claim", SaveMarker(None, "89abcdef").body("save-4"))
+    with pytest.raises(ConcurrentSaveError, match="another save started at this location"):
+        publish.check_claim(volume, mine, claim)

@@ -119,11 +119,15 @@ class Claim:
             volume has none (then :func:`check_claim` reads the claim back).
         abandoned: whether a rollback's abandonment marker was there (it annotates the checkpoint
             being replaced and goes with it).
+        previous: the bytes of the claim an earlier save left there (None: there was none). Reading
+            exactly these back in :func:`check_claim` means the volume did not keep this save's
+            write, not that another save claimed the location: every save's claim body is its own.
     """
 
     published: str
     tag: str | None = None
     abandoned: bool = False
+    previous: bytes | None = None
 
 
 def digest(raw: bytes | None) -> str:
@@ -151,7 +155,8 @@ def begin_save(
 
     Returns the :class:`Claim`: the :func:`digest` of the save's ``.metadata``
     (``marker.metadata_name()``) published there now, for :func:`read_published` to tell whether
-    another save published meanwhile, and the claim's tag for :func:`check_claim`.
+    another save published meanwhile, the claim's tag and the claim it replaced (one more GET, only
+    at a location saved before) for :func:`check_claim`.
 
     Raises:
         VolumeError: from ``prepare_for_write`` (the location is a file, unwritable, ...).
@@ -186,11 +191,17 @@ def begin_save(
     # is nothing to look for (and no request to send). While another save's marker is there, its
     # uploads may be live: only old ones go (gc takes the rest).
     if any(SaveMarker.parse(name) for name in files):
-        aborted = volume.abort_incomplete_uploads(older_than_s=LIVE_UPLOAD_S)
+        # This save's own uploads may have begun (``on_marked``): never abort them, whatever age
+        # the store's clock gives them.
+        aborted = volume.abort_incomplete_uploads(
+            older_than_s=LIVE_UPLOAD_S, keep=lambda name: layout.is_data_file_of(name, marker.token)
+        )
         if aborted:
             logger.info("aborted %d incomplete uploads left at %s", aborted, volume.url)
-    tag = volume.write_tagged(layout.claim_name(marker.rank), body)
-    return Claim(published, tag, layout.ABANDONED_NAME in files)
+    claim_name = layout.claim_name(marker.rank)
+    previous = volume.read_bytes(claim_name) if claim_name in files else None
+    tag = volume.write_tagged(claim_name, body)
+    return Claim(published, tag, layout.ABANDONED_NAME in files, previous)
 
 
 def check_data_files(
@@ -229,6 +240,10 @@ def check_claim(volume: Volume, mine: SaveMarker, claim: Claim) -> None:
 
     Raises:
         ConcurrentSaveError: another save claimed the location after this one, or the claim is gone.
+        TransferError: the claim read back is the one an earlier save left before this save began
+            (``claim.previous``): the volume reported this save's write as done and kept the old
+            file (seen on FUSE mounts whose rename keeps an existing target), so no other save is
+            involved and publishing over such a volume would not be safe.
     """
     name = layout.claim_name(mine.rank)
     if claim.tag is not None and volume.tag_of(name) == claim.tag:
@@ -240,6 +255,14 @@ def check_claim(volume: Volume, mine: SaveMarker, claim: Claim) -> None:
         holder = None
     if isinstance(holder, dict) and holder.get("token") == mine.token:
         return
+    if raw is not None and raw == claim.previous:
+        raise TransferError(
+            f"not publishing {volume.url}: {volume.url_of(name)} was written by this save but reading it "
+            f"back gives the claim an earlier save left before this one began ({_writer_of(raw) or 'unreadable'}); "
+            "the volume did not keep the write. A mount that reports a rename over an existing file as "
+            "done and keeps the old file (seen on rclone mounts) does this; no other save is involved. "
+            "Nothing was published or deleted"
+        )
     found = "it is gone" if raw is None else f"claimed by {_writer_of(raw) or 'an unreadable writer'}"
     raise ConcurrentSaveError(
         f"not publishing {volume.url}: another save started at this location while this one ran "
@@ -295,8 +318,12 @@ def publish_metadata(
     ``replaced``: the ``.metadata`` this publish replaces (None: none was there). Reading that
     back means the write was lost; reading a third save's means that save published right after.
 
+    An "already exists" answer (``overwrite=False``) is classified by reading ``name`` back: this
+    save's own bytes there mean the write succeeded (its first answer was lost and the retry found
+    it); so does a failed write whose bytes are there whole.
+
     Raises:
-        CheckpointExistsError: ``overwrite=False`` and ``name`` exists (from the volume).
+        CheckpointExistsError: ``overwrite=False`` and another save's ``name`` exists.
         ConcurrentSaveError: reading it back gives another save's ``.metadata``, not the replaced
             one: that save published over this one right after it (its manifest names another save
             id).
@@ -306,6 +333,21 @@ def publish_metadata(
         proved = volume.publish_bytes(name, blob, overwrite=overwrite)
     except LandedSizeError:
         proved = False  # told apart below, by what is there now
+    except CheckpointExistsError:
+        # "Already exists" may answer this save's own write: a retry of a conditional PUT whose
+        # first answer was lost (S3's 412 to botocore's retry), or link() reporting EEXIST for a
+        # retransmitted request (NFS). Only another save's file there is a refusal.
+        _refuse_unless_mine(volume, name, blob, read_manifest)
+        return
+    except TransferError as exc:
+        # The write may have reached the store before its answer was lost for good: a publish that
+        # took place must not be reported as failed, or a retry of the job meets its checkpoint.
+        if _landed_as(volume, name, blob):
+            logger.warning(
+                "publishing %s reported a failure, but it is on the volume whole: %s", volume.url_of(name), exc
+            )
+            return
+        raise
     if proved:
         return
     landed = volume.read_bytes(name)
@@ -331,6 +373,34 @@ def publish_metadata(
             f"gives {found}; the volume lost the write. Nothing was deleted: the checkpoint that was "
             "there (if any) and this save's data files are kept"
         )
+
+
+def _landed_as(volume: Volume, name: str, blob: bytes) -> bool:
+    """Whether ``name`` holds exactly ``blob`` now; False when it cannot be read (best effort: the
+    caller then reports the failure it had)."""
+    try:
+        return volume.read_bytes(name) == blob
+    except Exception:  # noqa: BLE001 - the store is still failing: keep the write's own error
+        return False
+
+
+def _refuse_unless_mine(volume: Volume, name: str, blob: bytes, read_manifest: ManifestReader) -> None:
+    """Classify an "already exists" answer to publishing ``blob`` as ``name``: return when the file
+    there is this save's own (the same bytes, or a ``.metadata`` of the same save id), else raise.
+
+    Raises:
+        CheckpointExistsError: another save's file is there (its publisher named) or it is gone.
+        TransferError: it could not be read back.
+    """
+    landed = volume.read_bytes(name)
+    mine = _save_id(blob, read_manifest)
+    if landed is not None and (landed == blob or (mine is not None and _save_id(landed, read_manifest) == mine)):
+        logger.info("%s already held this save's own write (a retried request): published", volume.url_of(name))
+        return
+    raise CheckpointExistsError(
+        f"{volume.url_of(name)} already exists and overwrite=False: another save published it while this "
+        f"one ran ({describe_publisher(landed, read_manifest)}); that checkpoint is kept, this save is abandoned"
+    )
 
 
 def remove_superseded(volume: Volume, names: Iterable[str]) -> None:

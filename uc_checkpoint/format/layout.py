@@ -187,6 +187,12 @@ def data_file_prefix(rank: int, save_token: str, spread: str = "") -> str:
     return f"{spread}/__{rank}_{save_token}_" if spread else f"__{rank}_{save_token}_"
 
 
+def is_data_file_of(name: str, save_token: str) -> bool:
+    """Whether ``name`` (relative to the checkpoint, spread prefix included) is a data file of the
+    save whose token is ``save_token``, on any rank."""
+    return bool(re.fullmatch(rf"__\d+_{re.escape(save_token)}_\d+\{DATA_SUFFIX}", split_spread(name)[1]))
+
+
 def build_manifest(
     save_id: str, records: Iterable[FileRecord], saved_by: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:

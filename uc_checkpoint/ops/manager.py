@@ -249,7 +249,9 @@ class CheckpointManager:
         return bool(catalog.is_published(self.root, info, self._retry).published)
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Every step location under the root, oldest first (published or not).
+        """Every step location under the root, oldest first (published or not), as the root shows
+        it now: a save of this manager still in flight is missing or listed as unpublished until it
+        is published (call :meth:`wait` first to list it; :meth:`load` waits for it itself).
 
         Raises:
             VolumeError: the root cannot be listed (after ``list_attempts`` attempts) or is unusable.
@@ -299,6 +301,10 @@ class CheckpointManager:
         data file it references exists with its recorded size), or None when there is none. Broken
         newer ones are skipped with a warning; ones a rollback abandoned (see :meth:`save`) are
         skipped too. Rank 0 decides; every rank gets the same answer.
+
+        Published checkpoints only: a save of this manager still in flight does not count until it
+        is published, so right after an async :meth:`save` this may still name the previous step
+        (or None). Call :meth:`wait` first to include it; :meth:`load` waits for it itself.
 
         Raises:
             VolumeError: the root, a checkpoint's location or its ``.metadata`` cannot be read after
@@ -510,7 +516,13 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for the save in flight, if any (its staging, upload, publish and housekeeping);
-        raise its error."""
+        raise its error. A save's error is raised once: the next call returns at once.
+        :meth:`save`, :meth:`load` and :meth:`save_final` call this (or, for the last, its bounded
+        form) themselves first.
+
+        Raises:
+            CheckpointException (DCP's, a ``BaseException``) with our errors inside: the save failed.
+        """
         self.wait_until_staged()
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
@@ -734,14 +746,23 @@ class CheckpointManager:
         ``step`` costs one lookup of its ``.metadata`` first (a HEAD on object stores, by rank 0; a
         listing of the step's location too when the HEAD finds nothing).
 
+        First it waits for this manager's own save in flight, as :meth:`wait` does (its staging,
+        upload, publish and housekeeping, however long they take) and raises that save's error if
+        it failed; only then is the step resolved. So a load right after an async :meth:`save`
+        loads that save's step, never an older one (:meth:`latest` alone reports published
+        checkpoints only). Saves by other processes are not waited for: the root shows what they
+        have published.
+
         Raises:
             CheckpointNotFoundError: no intact published checkpoint (``step=None``), or nothing
                 published at ``step`` (never saved, unfinished or deleted), raised as itself.
             VolumeError: the root or the step's ``.metadata`` cannot be read (after
                 ``list_attempts`` attempts).
-            CheckpointException (DCP's, a ``BaseException``) with our errors inside: the load
-                failed, including a checkpoint deleted between the lookup and the load.
+            CheckpointException (DCP's, a ``BaseException``) with our errors inside: this manager's
+                save in flight failed (raised once, as by :meth:`wait`; nothing is loaded), or the
+                load failed, including a checkpoint deleted between the lookup and the load.
         """
+        self.wait()  # also its staging: the load writes into tensors it may still be copying
         explicit = step is not None
         if step is None:
             step = self.latest()
@@ -754,7 +775,6 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"no published checkpoint at step {step}: {location.url_of(METADATA_NAME)} does not exist"
             )
-        self.wait_until_staged()  # the load writes into tensors a save in flight may still be copying
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options)
         dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
         self._resumed_from = step

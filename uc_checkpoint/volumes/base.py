@@ -25,7 +25,7 @@ with one HEAD instead of a listing).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,9 +424,12 @@ class Volume(ABC):
         """Remove the location itself when it is an empty directory (stores with real directories);
         object stores have nothing to remove once the files are gone."""
 
-    def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
+    def abort_incomplete_uploads(
+        self, older_than_s: float | None = None, keep: Callable[[str], bool] | None = None
+    ) -> int:
         """Abort uploads left unfinished at this location (S3 multipart uploads) that were started
-        more than ``older_than_s`` seconds ago (all when None); return how many. Stores without such
+        more than ``older_than_s`` seconds ago (all when None), except those of a file ``keep(name)``
+        says to keep (``name`` relative to the location); return how many. Stores without such
         state have nothing to do."""
         return 0
 

@@ -17,15 +17,24 @@ DCP's PROCESS-mode daemon) published would then stay invisible to ``latest()`` f
 own checks could read a stale size. So every listing, size and read here first drops the cached
 listings of the path and its parents (``fs.invalidate_cache``) and asks ``ls``/``info`` with
 ``refresh=True`` where the filesystem's method takes that argument.
+
+Reads never share a file handle: fsspec's memory filesystem answers every ``open()`` of a file with
+the same object (rewound on each open), so two reads that each opened it would move each other's
+position, and two loads of one checkpoint at once would fail their checksums. Every read here is
+the filesystem's own ranged primitive, ``cat_file(path, start, end)``, which keeps no state between
+calls (object stores: one ranged GET; fsspec's default: a fresh handle per call); whole-file
+downloads are a series of such pieces, so neither is held in memory whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from pathlib import Path
+from typing import Any, BinaryIO, cast
 
 from uc_checkpoint.errors import (
     CheckpointExistsError,
@@ -34,6 +43,7 @@ from uc_checkpoint.errors import (
     TransferError,
     VolumeError,
 )
+from uc_checkpoint.format.integrity import Digest, FileRecord
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path
 
@@ -41,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 #: Times a listing is made when entries vanish while it runs (see ``FsspecVolume._scan``).
 LIST_ATTEMPTS = 3
+
+#: Bytes per ``cat_file`` request of a whole-file download (one piece in memory at a time per
+#: download; on object stores each piece is one ranged GET, so larger means fewer requests).
+DOWNLOAD_PIECE_BYTES = 8 << 20
 
 
 class FsspecVolume(Volume):
@@ -235,29 +249,87 @@ class FsspecVolume(Volume):
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[tuple[BinaryIO, int]]:
-        """``name`` opened with ``fs.open``, after a fresh ``info`` for its size."""
+        """``name`` as a read-only, seekable stream of its own (bytes read with ``cat_file`` ranges,
+        never through a shared ``fs.open`` handle), with its size in bytes from a fresh ``info``; the
+        stream ends at that size even if the file has grown since.
+
+        Raises:
+            CorruptCheckpointError: ``name`` does not exist (also when it goes while read), or is a
+                directory.
+            TransferError: a read failed for another reason.
+        """
         size = self.size(name)  # drops the listing caches first
         if size is None:
             raise self._missing(name)
+        with _RangeReader(self, name, size) as src:
+            yield cast(BinaryIO, src), size
+
+    def download_file(
+        self, name: str, local_path: Path, *, expected_size: int | None = None, min_size: int = 0
+    ) -> FileRecord:
+        """As :meth:`Volume.download_file`, in ``cat_file`` pieces of :data:`DOWNLOAD_PIECE_BYTES`
+        (no shared handle: downloads of one file at once are independent; one piece in memory at a
+        time), and never past the size checked first.
+
+        Raises:
+            CorruptCheckpointError: ``name`` does not exist (or goes while copied), has another size
+                than ``expected_size`` or less than ``min_size``, or shrank while copied.
+            TransferError: a read or the local write failed for another reason.
+        """
+        size = self._check_size(name, self.size(name), expected_size, min_size)
+        digest = Digest()
+        copied = 0
         try:
-            src = self.fs.open(self._path(name), "rb")
-        except FileNotFoundError as exc:
-            raise self._missing(name) from exc
-        with src:
-            yield src, size
+            with open(local_path, "wb") as dst:
+                while copied < size:
+                    want = min(DOWNLOAD_PIECE_BYTES, size - copied)
+                    piece = self._cat(name, copied, copied + want)
+                    digest.update(piece)
+                    dst.write(piece)
+                    copied += len(piece)
+                    if len(piece) < want:
+                        break  # the file ended early: _check_copied names it
+        except OSError as exc:
+            raise TransferError(f"downloading {self.url_of(name)} to {local_path} failed: {exc}") from exc
+        self._check_copied(name, copied, size)
+        return digest.record(name)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        where = self.url_of(name)
+        """Bytes ``[start, end)`` of ``name`` (one ``cat_file``, after dropping cached listings).
+
+        Raises:
+            ValueError: ``start`` is negative or ``end`` is before it (``cat_file`` would read a
+                negative bound from the end of the file).
+            CorruptCheckpointError / TransferError: as :meth:`Volume.read_range`.
+        """
+        data = self._cat(name, start, end, fresh=True)
+        if len(data) != end - start:
+            raise self._truncated(name, start, end, len(data))
+        return data
+
+    def _cat(self, name: str, start: int, end: int, *, fresh: bool = False) -> bytes:
+        """Bytes ``[start, end)`` of ``name``, or fewer where the file ends first: one call of the
+        filesystem's ranged read, which holds no position between calls (with ``fresh``, after
+        dropping the cached listings of the file, :meth:`_fresh`).
+
+        Raises:
+            ValueError: ``start < 0`` or ``end < start``.
+            CorruptCheckpointError: ``name`` does not exist or is a directory.
+            TransferError: the read failed for another reason (the message names the bytes and file).
+        """
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range {start}-{end} of {self.url_of(name)}")
         try:
-            self._fresh(self._path(name))
+            if fresh:
+                self._fresh(self._path(name))
             data = self.fs.cat_file(self._path(name), start=start, end=end)
         except FileNotFoundError as exc:
             raise self._missing(name) from exc
+        except IsADirectoryError as exc:
+            raise CorruptCheckpointError(f"{self.url_of(name)} is a directory, not a file") from exc
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"reading bytes {start}-{end - 1} of {where} failed: {exc}") from exc
-        if len(data) != end - start:
-            raise self._truncated(name, start, end, len(data))
-        return bytes(data)
+            raise TransferError(f"reading bytes {start}-{end - 1} of {self.url_of(name)} failed: {exc}") from exc
+        return data if type(data) is bytes else bytes(data)
 
     def read_bytes(self, name: str) -> bytes | None:
         try:
@@ -303,6 +375,54 @@ class FsspecVolume(Volume):
             pass
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"deleting {self.url_of(name)} failed: {exc}") from exc
+
+
+class _RangeReader(io.RawIOBase):
+    """A read-only, seekable stream over one file of an fsspec volume, with a position of its own:
+    each ``readinto`` is one ``cat_file`` of the bytes asked for, so streams of one file are
+    independent of each other (``fs.open`` of fsspec's memory filesystem is not). It ends at
+    ``size`` bytes (the size the volume reported), whatever the file has grown to since.
+
+    Errors are the volume's (:meth:`FsspecVolume._cat`): CorruptCheckpointError for a file that is
+    gone, TransferError for other failures.
+    """
+
+    def __init__(self, volume: FsspecVolume, name: str, size: int) -> None:
+        super().__init__()
+        self._volume, self._name, self._size = volume, name, size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        want = min(len(out), self._size - self._pos)
+        if want <= 0:
+            return 0
+        data = self._volume._cat(self._name, self._pos, self._pos + want)
+        out[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def readall(self) -> bytes:
+        """The rest of the stream in one ``cat_file`` (the default would read 8 KiB per request)."""
+        if self._pos >= self._size:
+            return b""
+        data = self._volume._cat(self._name, self._pos, self._size)
+        self._pos += len(data)
+        return data
 
 
 def _mtime_of(entry: dict[str, Any]) -> float | None:

@@ -977,7 +977,9 @@ class S3Volume(Volume):
                 return
             raise TransferError(f"deleting {self.url_of(name)} failed: {exc}") from exc
 
-    def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
+    def abort_incomplete_uploads(
+        self, older_than_s: float | None = None, keep: Callable[[str], bool] | None = None
+    ) -> int:
         prefix = self._dir_prefix()
         aborted = 0
         cutoff = None if older_than_s is None else time.time() - older_than_s
@@ -985,8 +987,9 @@ class S3Volume(Volume):
             pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
-                    if not _at_location(upload["Key"][len(prefix) :]):
-                        continue  # belongs to a location below this one
+                    name = upload["Key"][len(prefix) :]
+                    if not _at_location(name) or (keep is not None and keep(name)):
+                        continue  # belongs to a location below this one, or the caller keeps it
                     if cutoff is not None and upload["Initiated"].timestamp() > cutoff:
                         continue  # recent: a save may still be sending parts
                     self.client.abort_multipart_upload(
