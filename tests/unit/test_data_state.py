@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 import uc_checkpoint
-from uc_checkpoint.data import intervals, loading, state, tracker
 from uc_checkpoint.data.intervals import Interval, ShardSpec
 from uc_checkpoint.data.state import TrackerState, merge_local_states
 from uc_checkpoint.data.tracker import DataTracker, TrackerConfig
@@ -137,17 +136,6 @@ def test_tracker_config_is_checked_frozen_and_builds_the_same_tracker() -> None:
     assert a.consumer_slices(1) == b.consumer_slices(1)
 
 
-def test_follow_is_a_deprecated_alias_of_sync_from_main_process() -> None:
-    main = DataTracker(SHARDS, num_workers=2)
-    worker = copy.deepcopy(main)
-    main.start_epoch(1)
-    main.record(1, 2)
-    assert worker.sync_from_main_process(main.epoch, main.assignment_id, [0, 2])
-    assert worker.consumer_slices(1) == main.consumer_slices(1)
-    with pytest.warns(DeprecationWarning, match="sync_from_main_process"):
-        assert worker.follow(main.epoch, main.assignment_id, [0, 2])
-
-
 def test_restored_epoch_is_continued_once_then_restarted() -> None:
     """The one field that replaced the _restored/_from_load flags: loaded work is continued by the
     first start_epoch of its epoch only, and stays "from the checkpoint" until an epoch is started."""
@@ -158,21 +146,6 @@ def test_restored_epoch_is_continued_once_then_restarted() -> None:
     assert t.generation == generation and t.work_from_checkpoint and t.samples_left() == 21
     t.start_epoch(0)
     assert t.generation == generation + 1 and not t.work_from_checkpoint and t.samples_left() == 34
-
-
-def test_old_module_paths_are_the_moved_modules() -> None:
-    import uc_checkpoint.data_loading as old_loading
-    import uc_checkpoint.data_tracker as old_tracker
-
-    assert old_tracker is tracker and old_loading is loading
-    assert uc_checkpoint.DataTracker is tracker.DataTracker and uc_checkpoint.TrackerStateful is loading.TrackerStateful
-    # Private names of the old module still resolve (code that reached into it, monkeypatching).
-    assert old_tracker._coalesce is intervals.coalesce and old_tracker._state_int is state.state_int
-    # Pickles naming the old module path still load.
-    blob = pickle.dumps(Interval(1, 2, 3), protocol=0).replace(  # text: names end at newlines
-        b"uc_checkpoint.data.intervals", b"uc_checkpoint.data_tracker"
-    )
-    assert b"uc_checkpoint.data_tracker" in blob and pickle.loads(blob) == Interval(1, 2, 3)
 
 
 def test_tracker_pickles_for_spawned_workers() -> None:

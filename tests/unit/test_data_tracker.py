@@ -584,13 +584,13 @@ def test_worker_copy_follows_new_epochs_but_not_loads():
     main = DataTracker(shards, num_workers=2)
     worker = copy.deepcopy(main)  # what a persistent DataLoader worker holds
     main.record(1, 2)
-    assert worker.follow(main.epoch, main.assignment_id, [0, 2])
+    assert worker.sync_from_main_process(main.epoch, main.assignment_id, [0, 2])
     assert worker.consumer_slices(1) == main.consumer_slices(1)
     main.start_epoch(1)
-    assert worker.follow(main.epoch, main.assignment_id, [0, 0])
+    assert worker.sync_from_main_process(main.epoch, main.assignment_id, [0, 0])
     assert worker.consumer_slices(0) == main.consumer_slices(0) and worker.epoch == 1
     other = DataTracker(shards, num_workers=1)
     other.record(0, 4)
     main.load_global_state(other.global_state([other.local_state()]))
     assert main.work_from_checkpoint
-    assert not worker.follow(main.epoch, main.assignment_id, [0, 0])
+    assert not worker.sync_from_main_process(main.epoch, main.assignment_id, [0, 0])

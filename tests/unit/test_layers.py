@@ -3,7 +3,7 @@
 - each folder of the package is one layer, and imports go downward only:
   ``cli``/``demo`` -> ``ops`` -> ``dcp`` -> ``engine`` -> ``volumes`` -> ``format`` -> ``errors``/``observability``;
   ``data/`` (the data-pipeline tracker) stands apart and imports only ``errors``;
-- the old flat module paths are re-export shims that nothing inside the package imports;
+- the package root holds the layers' folders and a few files, nothing else (no alias modules);
 - torch's (and Python's) private names are reached only through ``uc_checkpoint/dcp/compat.py``,
   where each is listed with the versions it was checked on.
 """
@@ -11,10 +11,7 @@
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
-
-import pytest
 
 from uc_checkpoint.dcp import compat as dcp_compat
 
@@ -43,11 +40,6 @@ def _modules() -> dict[str, Path]:
     }
 
 
-def _shims() -> set[str]:
-    """Old flat paths kept for one release: modules whose body makes another module theirs."""
-    return {name for name, path in _modules().items() if "sys.modules[__name__]" in path.read_text()}
-
-
 def _layer(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
@@ -70,22 +62,29 @@ def _imports(module: str, path: Path) -> list[tuple[int, str]]:
                 found.append((node.lineno, sub if sub in _modules() else base))
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "uc_checkpoint"]
+        elif isinstance(node, ast.Call) and _is_import_call(node.func):
+            # importlib.import_module("uc_checkpoint...") / __import__("uc_checkpoint..."): an
+            # import spelled as a string is an import too.
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("uc_checkpoint"):
+                found.append((node.lineno, arg.value))
     return found
 
 
+def _is_import_call(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+    )
+
+
 def test_imports_go_downward_only() -> None:
-    shims = _shims()
     offenders = []
     for module, path in sorted(_modules().items()):
-        if module in shims:
-            continue
         mine = _layer(module)
         for line, target in _imports(module, path):
             theirs = _layer(target)
             where = f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}"
-            if target in shims:
-                offenders.append(f"{where} (an old path kept for users; import the new one)")
-            elif "data" in (mine, theirs):
+            if "data" in (mine, theirs):
                 allowed = theirs in ("data", "errors") if mine == "data" else LAYERS[mine] == LAYERS["cli"]
                 if not allowed:
                     offenders.append(
@@ -103,23 +102,25 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     # The check above must be able to fail: an engine module importing the DCP layer is upward.
     fake = tmp_path / "uc_checkpoint" / "engine" / "bad.py"
     fake.parent.mkdir(parents=True)
-    fake.write_text("from uc_checkpoint.dcp import writer\nfrom ..format import layout\n")
+    fake.write_text(
+        "import importlib\nfrom uc_checkpoint.dcp import writer\nfrom ..format import layout\n"
+        "def f():\n    return importlib.import_module('uc_checkpoint.ops.manager')\n"
+    )
     found = _imports("uc_checkpoint.engine.bad", fake)
-    assert [_layer(t) for _, t in found] == ["dcp", "format"]
-    assert LAYERS[_layer(found[0][1])] > LAYERS["engine"] >= LAYERS[_layer(found[1][1])]
+    assert sorted(_layer(t) for _, t in found) == ["dcp", "format", "ops"]
+    assert LAYERS["ops"] > LAYERS["dcp"] > LAYERS["engine"] >= LAYERS["format"]
 
 
 def test_every_folder_is_a_known_layer() -> None:
-    shims = _shims()
-    unknown = {_layer(m) for m in _modules() if m not in shims} - set(LAYERS) - {"data"}
+    unknown = {_layer(m) for m in _modules()} - set(LAYERS) - {"data"}
     assert not unknown, f"new top-level module or folder {unknown}: give it a layer here and in docs/architecture.md"
 
 
-@pytest.mark.parametrize("old", sorted(_shims()))
-def test_old_import_paths_give_the_moved_module(old: str) -> None:
-    shim = importlib.import_module(old)
-    assert shim.__name__ != old, f"{old} should be the module it points to"
-    assert importlib.import_module(shim.__name__) is shim
+def test_the_package_root_holds_the_layers_and_a_few_files() -> None:
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    folders = {name for name in entries if (PACKAGE / name).is_dir()}
+    assert folders == {"data", "dcp", "demo", "engine", "format", "ops", "volumes"}, folders
+    assert entries - folders == {"__init__.py", "cli.py", "errors.py", "observability.py"}, entries - folders
 
 
 def _runtime_imports(tree: ast.AST) -> list[ast.stmt]:
@@ -142,7 +143,7 @@ def test_torch_free_layers_do_not_import_torch() -> None:
         torch_free = (
             _layer(module) in ("format", "volumes", "errors", "data") and module != "uc_checkpoint.data.loading"
         )
-        if not torch_free or module in _shims():
+        if not torch_free:
             continue
         for node in _runtime_imports(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
@@ -186,16 +187,3 @@ def test_the_compat_module_resolves_every_name_under_this_torch() -> None:
         assert executor._executor._thread_name_prefix.startswith(dcp_compat.DCP_ASYNC_THREAD_PREFIX)
     finally:
         executor._executor.shutdown()
-
-
-def test_names_that_moved_out_of_a_module_are_still_found_at_its_old_path() -> None:
-    # layout's DCP helpers live in dcp/metadata_io now (format/ is torch-free); found lazily.
-    import uc_checkpoint.integrity
-    import uc_checkpoint.layout
-    from uc_checkpoint.dcp import metadata_io
-
-    for name in ("manifest_of", "referenced_files", "data_file_names"):
-        assert getattr(uc_checkpoint.layout, name) is getattr(metadata_io, name)
-    assert uc_checkpoint.integrity.hex_to_base64("00000000") == "AAAAAA=="
-    with pytest.raises(AttributeError):
-        uc_checkpoint.layout.no_such_name  # noqa: B018

@@ -127,14 +127,13 @@ def test_the_manager_passes_options_on(
     assert len(data_files) > 1  # file_size_bytes reached the writer
 
 
-def test_volume_options_in_writer_or_reader_options_are_ignored_as_before_and_said(caplog) -> None:
-    # The manager's option dicts took volume_options before and ignored it (each location is the
-    # root's volume's child): still accepted, now with a warning naming the argument that works.
+def test_volume_options_in_writer_or_reader_options_name_the_managers_argument() -> None:
     for options in (WriterOptions, ReaderOptions):
-        with caplog.at_level("WARNING", logger="uc_checkpoint.ops.options"):
-            assert options.coerce({"volume_options": {"max_attempts": 3}}) == options()
-        assert "CheckpointManager(volume_options=...)" in caplog.text
-        caplog.clear()
+        with pytest.raises(
+            TypeError,
+            match=r"'volume_options' is not a .* option here: pass CheckpointManager\(volume_options=\.\.\.\)",
+        ):
+            options.coerce({"volume_options": {"max_attempts": 3}})
 
 
 def test_the_managers_option_dicts_stay_adjustable(tmp_path) -> None:

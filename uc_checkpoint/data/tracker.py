@@ -132,7 +132,6 @@ This module holds the stateful :class:`DataTracker` and its settings (:class:`Tr
 arithmetic on intervals (cutting, trimming, shard orders, fingerprints) is in
 :mod:`uc_checkpoint.data.intervals`, the saved state's format and checks in
 :mod:`uc_checkpoint.data.state`, the DataLoader and DCP wiring in :mod:`uc_checkpoint.data.loading`.
-``uc_checkpoint.data_tracker`` is the old name of this module (the very same module object).
 """
 
 from __future__ import annotations
@@ -140,7 +139,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,19 +159,10 @@ from uc_checkpoint.data.intervals import (
     total_size,
     whole_epoch,
 )
-from uc_checkpoint.data.state import STATE_FORMAT, STATE_KEYS, TrackerState, merge_local_states, state_int
+from uc_checkpoint.data.state import STATE_FORMAT, TrackerState, merge_local_states
 from uc_checkpoint.errors import DatasetMismatchError, TrackerStateError
 
-# The name the tracker logged under before it moved into uc_checkpoint.data: logging configurations
-# and log filters name it.
-logger = logging.getLogger("uc_checkpoint.data.tracker")
-
-# Private names of the module before the split, for code that reached into it.
-_check_int = check_int
-_state_int = state_int
-_coalesce = coalesce
-_drop_prefix = drop_prefix
-_STATE_KEYS = STATE_KEYS
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -509,15 +498,12 @@ class DataTracker:
             if assignment_id != self._assignment:
                 return False
         if len(consumed) != self.workers_per_rank:
-            raise ValueError(f"follow() got {len(consumed)} consumed counts for {self.workers_per_rank} workers")
+            raise ValueError(
+                f"sync_from_main_process() got {len(consumed)} consumed counts for {self.workers_per_rank} workers"
+            )
         for w, k in enumerate(consumed):
             self._consumed[w] = check_int(int(k), f"worker {w} consumed", minimum=0)
         return True
-
-    def follow(self, epoch: int, assignment_id: str, consumed: Sequence[int]) -> bool:
-        """Deprecated name of :meth:`sync_from_main_process`."""
-        warnings.warn("DataTracker.follow() is renamed sync_from_main_process()", DeprecationWarning, stacklevel=2)
-        return self.sync_from_main_process(epoch, assignment_id, consumed)
 
     def resume_summary(self, max_names: int = 8) -> dict[str, Any]:
         """What a run resumed from this tracker's current work skips and where it seeks: for logs.

@@ -586,7 +586,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             save.claimed()  # also when the rank had nothing to upload
             records, record = uploads.finish()
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(attach_records(results, records, volume.describe))
+        fut.set_result(attach_records(results, records, volume.url_of))
         self.last_record = record
         logger.info("%s", record.describe())
         return fut

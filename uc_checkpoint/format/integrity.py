@@ -251,11 +251,6 @@ def crc32_base64(value: int) -> str:
     return base64.b64encode(struct.pack(">I", value)).decode("ascii")
 
 
-def hex_to_base64(crc_hex: str) -> str:
-    """An 8-hex-digit CRC-32 in S3's base64 form (kept for one release: nothing here uses it)."""
-    return crc32_base64(int(crc_hex, 16))
-
-
 def composite_crc32_base64(part_crcs: Iterable[int]) -> str:
     """S3's composite checksum of a multipart upload: CRC-32 of the parts' big-endian CRC-32s."""
     parts = list(part_crcs)

@@ -49,21 +49,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from uc_checkpoint.format.integrity import FileRecord
-from uc_checkpoint.format.manifest import MANIFEST_FORMAT as MANIFEST_FORMAT
-from uc_checkpoint.format.manifest import READABLE_FORMATS, Manifest, entries_of
-from uc_checkpoint.format.manifest import TRAILER_FORMATS as TRAILER_FORMATS
-
-if TYPE_CHECKING:  # DCP's types, for annotations only: naming files needs no torch
-    pass
+from uc_checkpoint.format.manifest import Manifest, entries_of
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 MANIFEST_ATTR = "uc_manifest"
-# The manifest's format numbers live with the typed manifest (uc_checkpoint.format.manifest).
-_READABLE_FORMATS = READABLE_FORMATS
 
 #: Left by a CheckpointManager in a published checkpoint that a rollback abandoned (JSON; see
 #: :mod:`uc_checkpoint.ops.lineage`). It annotates the checkpoint: a save that replaces the checkpoint
@@ -210,16 +203,3 @@ def manifest_records(manifest: Mapping[str, Any] | None) -> dict[str, FileRecord
             (:func:`uc_checkpoint.format.manifest.entries_of`).
     """
     return {name: entry.to_record() for name, entry in entries_of(manifest).items()}
-
-
-# Names this module had before the DCP helpers moved to uc_checkpoint.dcp.metadata_io: still found
-# here, for one release, without this torch-free module importing DCP unless one is asked for.
-_MOVED_TO_METADATA_IO = ("manifest_of", "referenced_files", "data_file_names")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_METADATA_IO:
-        import importlib
-
-        return getattr(importlib.import_module("uc_checkpoint.dcp.metadata_io"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,15 +62,6 @@ class _Options(Mapping[str, Any]):
         """
         fields = [f.name for f in dataclasses.fields(cls)]
         options = dict(options)
-        if "volume_options" in options:
-            # The manager's dicts took it before and ignored it (each location comes from the root's
-            # volume): still taken, now said.
-            options.pop("volume_options")
-            logger.warning(
-                "%s: 'volume_options' is ignored here (every checkpoint uses the root's volume): "
-                "pass CheckpointManager(volume_options=...)",
-                cls.__name__,
-            )
         for key in options:
             if key in _MANAGER_OWNED:
                 raise TypeError(f"{cls.__name__}: {key!r} is not a {cls._FOR} option here: {_MANAGER_OWNED[key]}")

@@ -97,10 +97,6 @@ class Volume(ABC):
         """The full URL or path of ``name`` (for messages and logs)."""
         return f"{self.url.rstrip('/')}/{name}"
 
-    def describe(self, name: str) -> str:
-        """Old name of :meth:`url_of`, kept for one release."""
-        return self.url_of(name)
-
     @abstractmethod
     def child(self, name: str) -> Volume:
         """The location ``name`` below this one (for example one step's checkpoint under a root)."""
