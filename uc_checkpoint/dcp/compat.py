@@ -35,6 +35,19 @@ from torch.distributed.checkpoint.filesystem import (  # noqa: F401 - re-exporte
     _StoragePrefix,
 )
 
+# DCP's stream extensions (experimental; torch 2.7+): compression and user transforms of each
+# item's bytes (``FileSystemWriter(_extensions=...)``, ``FileSystemReader(_extension_registry=...)``).
+try:
+    from torch.distributed.checkpoint._extension import (  # noqa: F401 - re-exported
+        ExtensionRegistry,
+        StreamTransformExtension,
+    )
+
+    HAS_STREAM_EXTENSIONS = True
+except ImportError:  # pragma: no cover - older torch: the writer and reader refuse extensions
+    HAS_STREAM_EXTENSIONS = False
+    ExtensionRegistry = StreamTransformExtension = None  # type: ignore[assignment,misc]
+
 try:  # the version string DCP stamps into .metadata (2.5+)
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
@@ -155,6 +168,9 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 __all__ = [
     "CURRENT_DCP_VERSION",
     "DCP_ASYNC_THREAD_PREFIX",
+    "ExtensionRegistry",
+    "HAS_STREAM_EXTENSIONS",
+    "StreamTransformExtension",
     "_OverlappingCpuLoader",
     "_SerialCpuLoader",
     "_StorageInfo",

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from uc_checkpoint.dcp import extensions
 from uc_checkpoint.dcp.compat import _StorageInfo, narrow_tensor_by_index
 from uc_checkpoint.dcp.item_codec import ItemChecksumError, ItemCodec
 from uc_checkpoint.errors import CorruptCheckpointError, UCCheckpointError
@@ -171,10 +172,9 @@ class ItemLoader:
             whole[placed.lo - info.offset : placed.hi - info.offset] = placed.into
             data = memoryview(whole)
             self._resolved[id(req)] = placed.target
-        if info.transform_descriptors:  # written with DCP extensions (e.g. compression)
-            stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
-            data = memoryview(stream.read(-1))
         where = f"{self.volume.url_of(info.relative_path)}: item {req.storage_index.fqn} at offset {info.offset}"
+        if info.transform_descriptors:  # written with DCP's stream extensions (e.g. compression)
+            data = extensions.untransform(self.transforms, req, info.transform_descriptors, data, where)
         if req.type == LoadItemType.BYTE_IO:
             try:
                 self.planner.load_bytes(req, io.BytesIO(data))

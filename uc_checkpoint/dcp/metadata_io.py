@@ -282,6 +282,15 @@ def check_metadata(metadata: Metadata, where: str) -> None:
             value = getattr(info, field)
             if not isinstance(value, int) or value < 0:
                 raise CorruptCheckpointError(f"{where}: {info.relative_path!r} has {field} {value!r}")
+        descriptors = info.transform_descriptors
+        if descriptors is not None and (
+            isinstance(descriptors, str)
+            or not isinstance(descriptors, (list, tuple))
+            or not all(isinstance(d, str) for d in descriptors)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: storage entry for {index} has transform descriptors {descriptors!r}"
+            )
     _check_items(metadata, storage, where)
     manifest = manifest_of(metadata)
     if manifest is None:
@@ -309,7 +318,7 @@ def _check_items(metadata: Metadata, storage: Mapping[Any, Any], where: str) -> 
     each tensor's chunks lie inside it and tile it exactly once (a chunk shrunk by one flipped byte
     would otherwise leave part of the target tensor unwritten, without an error), each chunk and
     each bytes item has a storage entry, and each stored tensor item is at least as long as its
-    chunk's bytes.
+    chunk's bytes (unless stored through stream extensions).
 
     Raises:
         CorruptCheckpointError: naming ``where`` and the item.
@@ -356,7 +365,8 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: Mapping[Any, Any
         if info is None:
             raise bad(f"has no storage entry for its chunk at {offsets}")
         volume = _numel(sizes)
-        if info.length < volume * itemsize:
+        # A transformed item (DCP's stream extensions, e.g. compression) stores fewer bytes.
+        if not info.transform_descriptors and info.length < volume * itemsize:
             raise bad(
                 f"chunk at {offsets} is stored in {info.length} bytes, fewer than its {volume * itemsize} bytes of data"
             )

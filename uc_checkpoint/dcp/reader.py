@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from uc_checkpoint.dcp import metadata_io
-from uc_checkpoint.dcp.compat import _StorageInfo
+from uc_checkpoint.dcp import extensions, metadata_io
+from uc_checkpoint.dcp.compat import ExtensionRegistry, _StorageInfo
 from uc_checkpoint.dcp.items import ChunkShapes, ItemLoader, chunk_shapes
 from uc_checkpoint.dcp.sessions import Session, SessionOwner, check_types
 from uc_checkpoint.engine.fetch import fetch_files, fetch_ranges
@@ -100,6 +100,11 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             whose metadata holds extra objects (e.g. a custom planner's ``planner_data``).
         volume_options: options for the volume of a path or URL (see
             :func:`uc_checkpoint.volumes.open_volume`).
+        _extension_registry: as ``FileSystemReader``'s (DCP's stream extensions): the registry
+            that rebuilds the extensions an item was written with (``ZStandard``, a user's
+            transform) from its descriptors. None (default): DCP's default registry (ZStandard
+            only). A transformed item is fetched whole, checked against the manifest's checksums
+            of the stored bytes, then untransformed (:mod:`uc_checkpoint.dcp.extensions`).
 
     Raises (inside DCP's ``CheckpointException``):
         VolumeError: the location is a file, or its bucket does not exist.
@@ -109,6 +114,8 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
             names the file.
         UnsafeMetadataError: (a ``CorruptCheckpointError``) ``.metadata`` names a global that is not
             part of DCP's metadata format; the message names it.
+        ValueError: items the load needs were written with an extension the registry cannot
+            rebuild (raised before anything is fetched; the message says how to register it).
 
     One reader object may serve several loads at once (each thread's load has its own state,
     :mod:`uc_checkpoint.dcp.sessions`).
@@ -129,7 +136,9 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         range_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         allow_unsafe_metadata: bool = False,
         volume_options: dict[str, Any] | None = None,
+        _extension_registry: ExtensionRegistry | None = None,
     ) -> None:
+        registry = extensions.check_registry(_extension_registry)
         sizes = {
             "download_workers": download_workers,
             "max_inflight_bytes": max_inflight_bytes,
@@ -149,7 +158,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         if range_gap_bytes < 0:
             raise ValueError(f"range_gap_bytes must be >= 0, got {range_gap_bytes}")
         self._init_sessions(path, volume_options)
-        super().__init__(path=".")
+        super().__init__(path=".", **({} if registry is None else {"_extension_registry": registry}))
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last load (None before one).
         self.last_record: TransferRecord | None = None
@@ -246,6 +255,8 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         decode each item into ``planner`` as soon as its bytes have arrived and been verified
         (:mod:`uc_checkpoint.engine.fetch`, :mod:`uc_checkpoint.dcp.items`)."""
         volume, load, rank = self.volume, self._load, self._rank()
+        stored = (load.storage_data[item.storage_index].transform_descriptors for item in plan.items)
+        extensions.check_readable(self.transforms, stored, volume.url)
         ranged = volume.prefers_ranged_reads if self.prefetch_files is None else not self.prefetch_files
         items = ItemLoader(
             volume,

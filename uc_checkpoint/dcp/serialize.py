@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from uc_checkpoint.dcp import extensions
 from uc_checkpoint.dcp.compat import (
     CURRENT_DCP_VERSION,
     _split_by_size_and_type,
@@ -107,7 +108,14 @@ def with_file_prefix(plan: SavePlan, rank: int, token: str, spread_prefixes: int
     return dataclasses.replace(plan, storage_data=_StoragePrefix(prefix))
 
 
-def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, threads: int) -> queue.Queue[FileJob]:
+def file_queue(
+    plan: SavePlan,
+    staging: Path,
+    *,
+    file_size_bytes: int | None,
+    threads: int,
+    single_file_per_rank: bool | None = None,
+) -> queue.Queue[FileJob]:
     """Cut a rank's plan (its ``storage_data`` a ``_StoragePrefix``) into data files in ``staging``
     (in a sub-directory of it, named as the spread prefix, when the prefix has one). When the rank
     has both small items (:func:`~uc_checkpoint.dcp.planner.is_small`) and large ones, its small
@@ -118,6 +126,9 @@ def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, th
         file_size_bytes: target bytes per file; None: :func:`auto_file_size` of the rank's share.
         threads: at least this many files of large items (or of all items, where the rank has
             only small or only large ones), so every serialising thread has one to work on.
+        single_file_per_rank: as DCP's ``FileSystemWriter``: True, the rank's items split over
+            ``threads`` files (one when ``threads`` is 1) as DCP splits them; False, one file per
+            item; None (default), files sized as above.
     """
     prefix = plan.storage_data.prefix
     small = [item for item in plan.items if is_small(item)]
@@ -125,7 +136,11 @@ def file_queue(plan: SavePlan, staging: Path, *, file_size_bytes: int | None, th
     total = sum(item_bytes(item) for item in plan.items if item.type != WriteItemType.BYTE_IO)
     size = file_size_bytes if file_size_bytes is not None else auto_file_size(total)
     jobs: queue.Queue[FileJob] = queue.Queue()
-    if small and large:
+    if single_file_per_rank is not None:
+        items = list(plan.items)
+        split = _split_by_size_and_type(threads, items) if single_file_per_rank else [[item] for item in items]
+        buckets = [b for b in split if b]
+    elif small and large:
         # A rank's small items in a small file of their own, first: every rank reads the step and
         # the replicated scalars back, and one GET of a file smaller than a checksum block does
         # (scattered over the large files, each read widened to a 4 MiB block; dcp/planner.py).
@@ -151,6 +166,7 @@ def write_files(
     threads: int,
     copy_ahead: int,
     on_closed: Callable[[Path], object],
+    transforms: Any | None = None,
 ) -> list[WriteResult]:
     """Write every queued data file on ``threads`` threads (the caller's among them);
     ``on_closed(path)`` is called for each as soon as it is closed.
@@ -158,6 +174,8 @@ def write_files(
     Args:
         copy_ahead: bytes of accelerator tensors each thread copies to the CPU ahead of writing
             (DCP's ``per_thread_copy_ahead``; 0 for a snapshot already on the CPU).
+        transforms: DCP's writer transforms with stream extensions to write every item through
+            (:func:`uc_checkpoint.dcp.extensions.write_item`), or None for plain items.
 
     Returns one ``WriteResult`` per item (``storage_data`` a plain ``_StorageInfo``), in no set order.
 
@@ -177,7 +195,7 @@ def write_files(
                     path, storage_key, items = jobs.get_nowait()
                 except queue.Empty:
                     return
-                written = _write_file(path, storage_key, items, planner, codec, fs, threads, copy_ahead)
+                written = _write_file(path, storage_key, items, planner, codec, fs, threads, copy_ahead, transforms)
                 with lock:
                     results.extend(written)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
@@ -204,6 +222,7 @@ def _write_file(
     fs: StagingFileSystem,
     threads: int,
     copy_ahead: int,
+    transforms: Any | None,
 ) -> list[WriteResult]:
     # As DCP's writer: accelerator tensors of a synchronous save are copied to the CPU a little
     # ahead of serialisation (async saves arrive here already on the CPU).
@@ -213,6 +232,8 @@ def _write_file(
             loader.add(item_bytes(item), item)
     loader.start_loading()
     out: list[WriteResult] = []
+    if transforms is not None:
+        return _write_transformed_file(path, storage_key, items, planner, codec, fs, loader, transforms)
     with fs.create_stream(path, "wb") as stream:
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
@@ -223,6 +244,29 @@ def _write_file(
             offset = stream.tell()
             codec.write(tensor, stream)
             out.append(_write_result(item, storage_key, offset, stream.tell() - offset))
+    return out
+
+
+def _write_transformed_file(
+    path: Path,
+    storage_key: str,
+    items: list[Any],
+    planner: SavePlanner,
+    codec: ItemCodec,
+    fs: StagingFileSystem,
+    loader: Any,
+    transforms: Any,
+) -> list[WriteResult]:
+    """:func:`_write_file` with every item written through DCP's stream extensions, in the same
+    order (byte items first, then tensors as the loader yields them)."""
+    out: list[WriteResult] = []
+    with fs.create_stream(path, "wb") as stream:
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = cast(io.BytesIO, planner.resolve_data(item)).getbuffer()
+                out.append(extensions.write_item(transforms, stream, item, storage_key, data, codec))
+        for tensor, item in loader.values():
+            out.append(extensions.write_item(transforms, stream, item, storage_key, tensor, codec))
     return out
 
 

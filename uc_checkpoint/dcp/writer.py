@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +46,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from uc_checkpoint.dcp import exit_guard, metadata_io
+from uc_checkpoint.dcp import exit_guard, extensions, metadata_io
 from uc_checkpoint.dcp.buffers import BufferLease, StagingBuffers
+from uc_checkpoint.dcp.compat import StreamTransformExtension
 from uc_checkpoint.dcp.serialize import (
     AUTO_FILES_PER_RANK,
     MAX_AUTO_FILE_SIZE,
@@ -249,6 +250,14 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             of new memory (0.27-0.48x a plain copy's time in docs/benchmarks.md), at the cost of one copy of the rank's
             state kept between saves. None (default): each snapshot in new memory, freed with its
             save.
+        _extensions: DCP's stream extensions, e.g. ``[ZStandard()]``, in DCP's format (stock readers
+            load the checkpoint; the manifest's checksums are of the stored, transformed bytes).
+        single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict, serialization_format:
+            as ``FileSystemWriter``'s (keyword arguments only, like every other one, which mean the
+            same here): ``single_file_per_rank`` True gives ``thread_count`` files per rank, False
+            one per item (default None: files of ``file_size_bytes``); ``cache_staged_state_dict``
+            gives the writer its own ``staging_buffers``; ``serialization_format`` other than
+            ``TORCH_SAVE`` is refused. See :mod:`uc_checkpoint.dcp.extensions`.
 
     Raises (at construction):
         TypeError / ValueError: an argument of the wrong type or out of range.
@@ -285,10 +294,22 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         volume_options: dict[str, Any] | None = None,
         spread_prefixes: int | None = None,
         staging_buffers: StagingBuffers | None = None,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
+        single_file_per_rank: bool | None = None,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        serialization_format: Any = None,
     ) -> None:
         _check_arguments(path, upload_workers, thread_count, file_size_bytes, spread_prefixes)
-        if staging_buffers is not None and not isinstance(staging_buffers, StagingBuffers):
-            raise TypeError(f"staging_buffers must be a StagingBuffers or None, got {type(staging_buffers).__name__}")
+        staging_buffers, base_kwargs = extensions.stock_writer_arguments(
+            _extensions,
+            single_file_per_rank,
+            per_thread_copy_ahead,
+            cache_staged_state_dict,
+            serialization_format,
+            file_size_bytes=file_size_bytes,
+            staging_buffers=staging_buffers,
+        )
         self._init_sessions(path, volume_options)
         # Async saves staged whose own thread has not reached the writer yet: their exit ticket,
         # where the caller's writer pointed then (another save's reset may move it before this one's
@@ -300,9 +321,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         # Entries claimed by a save's thread and not yet set up, by thread.
         self._claimed: dict[int, tuple[threading.Thread, _Staged]] = {}
         # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
-        super().__init__(
-            path=".", single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=overwrite
-        )
+        super().__init__(path=".", sync_files=False, thread_count=thread_count, overwrite=overwrite, **base_kwargs)
+        self.single_file_per_rank = single_file_per_rank  # type: ignore[assignment]  # None: sized files
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         self.upload_workers = upload_workers
         self.file_size_bytes = file_size_bytes
@@ -549,7 +569,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
     # ---- writing ------------------------------------------------------------------------------
     def _file_queue(self, plan: SavePlan, staging: Path) -> queue.Queue[FileJob]:
-        return file_queue(plan, staging, file_size_bytes=self.file_size_bytes, threads=self.thread_count)
+        single, size = self.single_file_per_rank, self.file_size_bytes
+        return file_queue(plan, staging, file_size_bytes=size, threads=self.thread_count, single_file_per_rank=single)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with self._save.ending_on_error():
@@ -581,7 +602,10 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
 
         with uploads:  # on every way out the pool ends, the volume is closed and staging is removed
             jobs, copy_ahead = self._file_queue(plan, uploads.staging), self.per_thread_copy_ahead
-            results = write_files(jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=upload)
+            transforms = extensions.active(self.transforms)  # None without extensions: the plain path
+            results = write_files(
+                jobs, planner, threads=self.thread_count, copy_ahead=copy_ahead, on_closed=upload, transforms=transforms
+            )
             save.release_snapshot()  # serialised: the next async save may copy into its buffers
             save.claimed()  # also when the rank had nothing to upload
             records, record = uploads.finish()
