@@ -8,6 +8,9 @@ on the way out (s3transfer's ``TransferCoordinator.add_failure_cleanup``/``add_d
 
 Pools are created per save or load and shut down at its end: DCP's PROCESS mode pickles the storage
 writer, and a live pool cannot be pickled.
+
+The threads are :class:`~uc_checkpoint.volumes.workers.Workers`, which keep taking work while the
+interpreter exits, so a save that DCP's async thread runs then still publishes.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Generic, TypeVar
 
 from uc_checkpoint.errors import TransferError, UCCheckpointError
+from uc_checkpoint.volumes.workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class TransferPool:
     def __init__(self, max_workers: int, max_pending: int | None = None, name: str = "uc-transfer") -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
+        self._executor = Workers(max_workers, thread_name_prefix=name)
         #: Tasks running and queued before ``submit`` blocks.
         self.capacity = max_workers + (max_workers if max_pending is None else max_pending)
         self._slots = threading.BoundedSemaphore(self.capacity)

@@ -43,6 +43,7 @@ from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_b
 from uc_checkpoint.format.layout import is_checkpoint_file
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
+from uc_checkpoint.volumes.workers import Workers
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -593,9 +594,11 @@ class S3Volume(Volume):
             # A forked child inherits the parent's manager but not its worker threads: a transfer
             # submitted there would wait forever.
             if self._transfer is None or self._transfer_pid != os.getpid():
-                from boto3.s3.transfer import create_transfer_manager
+                from s3transfer.manager import TransferManager
 
-                self._transfer = create_transfer_manager(client, self.transfer_config)
+                # Our threads, not ThreadPoolExecutor's: a save running while the interpreter exits
+                # goes on uploading (see uc_checkpoint.volumes.workers).
+                self._transfer = TransferManager(client, self.transfer_config, executor_cls=Workers)
                 self._transfer_pid = os.getpid()
             return self._transfer
 
