@@ -4,21 +4,14 @@ torchrun; writes one JSON result. Run by :mod:`benchmarks.run`::
     python -m benchmarks.case --case uc --dest s3://bench/uc/1 --visible s3://bench/uc/1/.metadata \\
         --kind gpt --size-mb 256 --out result.json
 
-Cases (``--case``):
-
-* ``uc``: ``UCVolumeWriter`` / ``UCVolumeReader`` (``--dest`` a path, FUSE path or URL).
-* ``fs``: DCP's stock ``FileSystemWriter`` / ``FileSystemReader`` on a path (local disk or a mount).
-* ``floor``: :class:`CopyOnlyWriter` on a local path: DCP's floor for ``async_save``'s blocked time
-  (``stage()`` is only the in-memory copy); its other figures are a local save's.
-* ``fsspec``: DCP's ``FsspecWriter`` / ``FsspecReader`` (needs the ``s3fs`` Python package for s3://).
-* ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (needs that package).
-* ``boto3``: the store's limit: the data files our writer makes (the same object layout, staged to
-  local disk untimed) uploaded and downloaded with boto3's ``upload_file`` / ``download_file``
-  (s3transfer), 4 files at a time, as our writer does. The same process also times the **naive
-  staged path**: a sync ``FileSystemWriter`` save to local disk with as many files as ours, then
-  those files uploaded the same way, one after the other (no overlap), then its ``.metadata``
-  (last, as a checkpoint is published); its load downloads them and ``.metadata`` and runs
-  ``FileSystemReader`` on the local copy.
+Cases (``--case``): a writer and reader pair of :mod:`benchmarks.clients` (``uc``, ``uc-unsigned``,
+``fs``, ``floor``, ``fsspec``, ``s3tc``), or ``boto3``, the store's limit: the data files our writer
+makes (the same object layout, staged to local disk untimed) uploaded and downloaded with boto3's
+``upload_file`` / ``download_file`` (s3transfer), 4 files at a time, as our writer does. The same
+process also times the **naive staged path**: a sync ``FileSystemWriter`` save to local disk with as
+many files as ours, then those files uploaded the same way, one after the other (no overlap), then
+its ``.metadata`` (last, as a checkpoint is published); its load downloads them and ``.metadata``
+and runs ``FileSystemReader`` on the local copy.
 
 Client CPU: ``*_cpu_s`` fields are the user + system seconds of the case's process (all its threads)
 over each timed call; the S3 server runs in another process (moto as threads of the runner,
@@ -96,7 +89,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -108,8 +100,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import state
-from .cpu import reset_peak_rss, rss_kib, self_cpu_s, store_cpu_s
+from . import clients, state
+from .usage import cpu_s, peak_rss_above, reset_peak_rss, rss_bytes, store_cpu_s
 
 POLL_S = 0.005
 #: Memory touched and freed before each timed phase, in multiples of the rank's share of the
@@ -175,9 +167,9 @@ def _timed(out: dict[str, Any], name: str, heat: int = 0) -> Iterator[None]:
     _settle(heat)
     if dist.is_initialized():
         dist.barrier()
-    t0, c0, s0 = time.perf_counter(), self_cpu_s(), store_cpu_s()
+    t0, c0, s0 = time.perf_counter(), cpu_s(), store_cpu_s()
     yield
-    out[f"{name}_s"], out[f"{name}_cpu_s"] = time.perf_counter() - t0, self_cpu_s() - c0
+    out[f"{name}_s"], out[f"{name}_cpu_s"] = time.perf_counter() - t0, cpu_s() - c0
     _put_store_cpu(out, f"{name}_store_cpu_s", s0)
 
 
@@ -217,93 +209,6 @@ def _exists(url: str) -> Callable[[], bool]:
     return lambda: os.path.exists(url)
 
 
-class CopyOnlyWriter(dcp.FileSystemWriter):
-    """DCP's floor for the time ``dcp.async_save`` blocks training with synchronous staging: a
-    ``FileSystemWriter`` (to local disk) whose ``stage()`` is exactly the in-memory copy the report
-    compares with (:func:`benchmarks.state.cpu_copy`) and whose save thread hands the GIL back at its
-    first call into the writer, as ours does. What it blocks beyond the copy is DCP's own: its work
-    in ``async_save`` before and after ``stage()``, and starting the save's thread."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handed_over = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
-        return state.cpu_copy(state_dict)
-
-    @property
-    def checkpoint_id(self) -> Any:
-        # DCP's first read on the save's thread (its logger): let the caller have the GIL, as
-        # UCVolumeWriter does at the same point, so the floor is not this thread's Python work.
-        if not self._handed_over and threading.current_thread() is not threading.main_thread():
-            self._handed_over = True
-            time.sleep(0.001)
-        return super().checkpoint_id
-
-
-def _writer(case: str, dest: str, buffers: Any = None) -> Any:
-    """The case's storage writer; ``buffers``: our writer's kept staging buffers (ours only)."""
-    if case == "floor":
-        return CopyOnlyWriter(dest)
-    if case == "uc":
-        from uc_checkpoint import UCVolumeWriter
-
-        return UCVolumeWriter(dest, staging_buffers=buffers)
-    if case == "uc-unsigned":
-        from uc_checkpoint import UCVolumeWriter
-        from uc_checkpoint.volumes import S3Volume
-
-        # SigV4 with UNSIGNED-PAYLOAD, as s3torchconnector's CRT client signs every request
-        # (aws-c-s3's default signing config): no SHA-256 over each body. An option, not our default.
-        return UCVolumeWriter(S3Volume(dest, sign_payload=False), staging_buffers=buffers)
-    if case == "fs":
-        return dcp.FileSystemWriter(dest)
-    if case == "fsspec":
-        from torch.distributed.checkpoint import FsspecWriter
-
-        return FsspecWriter(dest, sync_files=False)
-    if case == "s3tc":
-        from s3torchconnector.dcp import S3StorageWriter
-
-        writer = S3StorageWriter(region="us-east-1", path=dest)
-        writer.fs._client = _s3tc_client()
-        return writer
-    raise SystemExit(f"unknown case {case!r}")
-
-
-def _s3tc_client() -> Any:
-    # s3torchconnector's DCP classes take no endpoint; its S3Client does (the local server, path style).
-    from s3torchconnector import S3ClientConfig
-    from s3torchconnector._s3client import S3Client
-
-    return S3Client(
-        region="us-east-1",
-        endpoint=os.environ["AWS_ENDPOINT_URL"],
-        s3client_config=S3ClientConfig(force_path_style=True),
-    )
-
-
-def _reader(case: str, dest: str) -> Any:
-    if case in ("uc", "uc-unsigned"):  # a GET has no body to sign: the same reader
-        from uc_checkpoint import UCVolumeReader
-
-        return UCVolumeReader(dest)
-    if case in ("fs", "floor"):
-        return dcp.FileSystemReader(dest)
-    if case == "fsspec":
-        from torch.distributed.checkpoint import FsspecReader
-
-        return FsspecReader(dest)
-    if case == "s3tc":
-        from s3torchconnector.dcp import S3StorageReader
-
-        reader = S3StorageReader(region="us-east-1", path=dest)
-        reader.fs._client = _s3tc_client()
-        return reader
-    raise SystemExit(f"unknown case {case!r}")
-
-
 def _tiny_state() -> dict[str, Any]:
     """A state dict of two 256 KiB tensors (above ATen's grain, so torch copies them as it copies
     the real state's): big enough to run the code a copy or an async save runs, too small for the
@@ -327,38 +232,21 @@ def _timed_copy(sd: Any) -> float:
     return elapsed
 
 
-def _staging_buffers(case: str) -> Any:
-    """A :class:`~uc_checkpoint.StagingBuffers` for our cases, None for the others."""
-    if case not in ("uc", "uc-unsigned"):
-        return None
-    from uc_checkpoint import StagingBuffers
-
-    return StagingBuffers()
-
-
-def _planner(case: str) -> Any:
-    """Ours with the planner the README recommends beside it (small replicated items on one rank);
-    DCP's default planner for every other case."""
-    if case not in ("uc", "uc-unsigned"):
-        return None
-    from uc_checkpoint import UCSavePlanner
-
-    return UCSavePlanner()
-
-
 def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # 0. one untimed save of the same state elsewhere (its load comes in 3): clients, connections
     # and code paths warm, as run_boto3 warms its transfers (see the module docstring); and an
     # untimed async save of a tiny state, for the code async_save runs and a save does not.
-    dcp.save(sd, storage_writer=_writer(args.case, args.dest + "-warmup"), planner=_planner(args.case))
+    dcp.save(sd, storage_writer=clients.writer(args.case, args.dest + "-warmup"), planner=clients.planner(args.case))
     tiny = dcp.async_save(
-        _tiny_state(), storage_writer=_writer(args.case, args.dest + "-warmup-async"), planner=_planner(args.case)
+        _tiny_state(),
+        storage_writer=clients.writer(args.case, args.dest + "-warmup-async"),
+        planner=clients.planner(args.case),
     )
     (tiny.upload_completion if hasattr(tiny, "upload_completion") else tiny).result()
     # 1. synchronous save: memory without a staging copy
     gc.collect()
-    base = rss_kib("VmRSS")
+    base = rss_bytes()
     reset_peak_rss()
     _timed_calls(
         out,
@@ -366,12 +254,12 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
         args.calls,
         lambda i: dcp.save(
             sd,
-            storage_writer=_writer(args.case, args.dest + "-sync" + (f"{i}" if i else "")),
-            planner=_planner(args.case),
+            storage_writer=clients.writer(args.case, args.dest + "-sync" + (f"{i}" if i else "")),
+            planner=clients.planner(args.case),
         ),
         _heat(sd),
     )
-    out["sync_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
+    out["sync_peak_extra_bytes"] = peak_rss_above(base)
 
     # 2. async save: blocked time and time until .metadata is on the volume, from the memory state
     # of every other phase (and of the copy it is compared with), see the module docstring.
@@ -380,13 +268,15 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     _settle(_heat(sd))
     if dist.is_initialized():
         dist.barrier()
-    base = rss_kib("VmRSS")
+    base = rss_bytes()
     reset_peak_rss()
     # Ours keeps its snapshot's memory for 2b (a first save with StagingBuffers allocates as
     # without them: the set is empty).
-    buffers = _staging_buffers(args.case) if args.kept_buffers else None
+    buffers = clients.staging_buffers(args.case) if args.kept_buffers else None
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, storage_writer=_writer(args.case, args.dest, buffers), planner=_planner(args.case))
+    fut = dcp.async_save(
+        sd, storage_writer=clients.writer(args.case, args.dest, buffers), planner=clients.planner(args.case)
+    )
     out["blocked_s"] = time.perf_counter() - t0
     if probe is not None:
         deadline = t0 + args.timeout
@@ -399,14 +289,16 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
         out["publish_s"] = time.perf_counter() - t0
     (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()  # uploads included
     out["async_done_s"] = time.perf_counter() - t0
-    out["async_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
+    out["async_peak_extra_bytes"] = peak_rss_above(base)
     if buffers is not None:
         # 2b. ours again, copying into the kept buffers: CheckpointManager(reuse_staging_buffers=True)
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
         fut = dcp.async_save(
-            sd, storage_writer=_writer(args.case, args.dest + "-kept", buffers), planner=_planner(args.case)
+            sd,
+            storage_writer=clients.writer(args.case, args.dest + "-kept", buffers),
+            planner=clients.planner(args.case),
         )
         out["blocked_kept_s"] = time.perf_counter() - t0
         fut.result()
@@ -419,16 +311,20 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
         dist.barrier()
     dcp.load(
         state.build(args.kind, args.size_mb << 20, mesh, zeros=True),
-        storage_reader=_reader(args.case, args.dest + "-warmup"),
+        storage_reader=clients.reader(args.case, args.dest + "-warmup"),
     )
     target = state.build(args.kind, args.size_mb << 20, mesh, zeros=True)
     gc.collect()
-    base = rss_kib("VmRSS")
+    base = rss_bytes()
     reset_peak_rss()
     _timed_calls(
-        out, "load", args.calls, lambda i: dcp.load(target, storage_reader=_reader(args.case, args.dest)), _heat(sd)
+        out,
+        "load",
+        args.calls,
+        lambda i: dcp.load(target, storage_reader=clients.reader(args.case, args.dest)),
+        _heat(sd),
     )
-    out["load_peak_extra_bytes"] = max(0, rss_kib("VmHWM") - base) * 1024
+    out["load_peak_extra_bytes"] = peak_rss_above(base)
     state.assert_equal(sd, target)
     out["verified"] = True
     return out
@@ -536,7 +432,7 @@ def run_boto3(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.case", description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", required=True, choices=("uc", "uc-unsigned", "fs", "floor", "fsspec", "s3tc", "boto3"))
+    p.add_argument("--case", required=True, choices=(*clients.CASES, "boto3"))
     p.add_argument("--dest", required=True, help="checkpoint location (path or URL)")
     p.add_argument("--visible", help="the .metadata object/file on the volume itself (s3://... or a path)")
     p.add_argument("--kind", default="gpt", choices=("gpt", "small"))

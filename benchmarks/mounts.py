@@ -1,22 +1,19 @@
-"""Local S3 and FUSE mounts for benchmarks: moto's server, s3fs-fuse over it, and bindfs.
+"""FUSE mounts for benchmarks: s3fs-fuse over an S3 server, and bindfs.
 
 The benchmark runner compares our plugin with the obvious alternative of pointing DCP's own
 ``FileSystemWriter`` at a FUSE mount of the bucket. This module sets those mounts up and, above
 all, tears them down again: a FUSE mount left behind by a crashed run blocks the next one and
 hangs anything that walks the file system.
 
-* :func:`ensure_fuse_tools` checks for (and as root installs) ``s3fs``, ``bindfs`` and
-  ``fusermount3``.
-* :func:`moto_server` runs moto's S3 server on 127.0.0.1 and yields its URL.
-* :func:`localbucket_server` runs ``localbucket`` (a small disk-backed S3 server) as a process of
-  its own on 127.0.0.1 and yields its URL and pid (a second store, so that the store's limits can
-  be told apart from the clients' costs).
-* :func:`make_bucket` creates a bucket on such an endpoint.
+* :func:`fuse_problem` says why mounts cannot be made here (or None); it installs nothing, so a
+  test skips with its reason. :func:`ensure_fuse_tools`, for the benchmark runner only, installs
+  the missing tools first (as root, with apt-get).
 * :func:`s3fs_mount` mounts a bucket with s3fs-fuse; :func:`bindfs_mount` mounts a local
   directory through a FUSE passthrough (a FUSE baseline with no network in it).
 
-The FUSE daemons run in the foreground (``-f``) as children of this process, so each context
-manager owns its daemon and can wait for it, or kill it, when the mount goes away.
+The S3 servers are in :mod:`benchmarks.servers`. The FUSE daemons run in the foreground (``-f``) as
+children of this process, so each context manager owns its daemon and can wait for it, or kill it,
+when the mount goes away.
 """
 
 from __future__ import annotations
@@ -27,16 +24,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tests.support.s3_fixtures import REGION, moto_server, s3_client  # noqa: F401 - moto_server is part of this API
+from tests.support.s3_fixtures import REGION
 
 log = logging.getLogger(__name__)
 
@@ -60,39 +55,37 @@ _LOG_TAIL_BYTES = 4000
 # -- tools --------------------------------------------------------------------------------
 
 
-def ensure_fuse_tools() -> None:
-    """Make sure ``s3fs``, ``bindfs``, ``fusermount3`` and ``/dev/fuse`` are usable.
+def fuse_problem() -> str | None:
+    """Why FUSE mounts cannot be made here, or None: not root, ``/dev/fuse`` missing or not readable
+    and writable, or ``s3fs``, ``bindfs`` or ``fusermount3`` missing (the message names the
+    packages). Installs nothing."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "FUSE mounts need root"
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse does not exist (container started without the FUSE device?)"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse is not readable and writable by this user"
+    missing = _missing_tools()
+    if missing:
+        return f"missing binaries: {', '.join(missing)} (apt-get install {' '.join(_APT_PACKAGES)})"
+    return None
 
-    Missing binaries are installed as root with ``apt-get install -y fuse3 s3fs bindfs``
-    (running ``apt-get update`` and retrying once if the first install fails; takes a few
-    seconds and needs the package mirrors).
+
+def ensure_fuse_tools() -> None:
+    """Make FUSE mounts possible for the benchmark runner, which is asked for explicitly
+    (``./scripts/bench.sh``): as root, missing ``s3fs``, ``bindfs`` and ``fusermount3`` are installed
+    with ``apt-get install -y fuse3 s3fs bindfs`` (``apt-get update`` and one retry if the first
+    install fails; needs the package mirrors). Tests never call it: they skip on
+    :func:`fuse_problem`.
 
     Raises:
-        RuntimeError: ``/dev/fuse`` is missing or not readable and writable, or binaries are
-            missing and this process is not root, or the install failed or did not provide
-            them. The message names what is missing.
+        RuntimeError: :func:`fuse_problem` still names a problem afterwards, or the install failed.
     """
-    problems = []
-    if not os.path.exists("/dev/fuse"):
-        problems.append("/dev/fuse does not exist (container started without the FUSE device?)")
-    elif not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        problems.append("/dev/fuse is not readable and writable by this user")
-    missing = _missing_tools()
-    if missing and not problems:
-        if os.geteuid() != 0:
-            problems.append(
-                f"missing binaries {', '.join(missing)} and not root, so cannot apt-get install "
-                f"{' '.join(_APT_PACKAGES)}"
-            )
-        else:
-            _apt_install()
-            missing = _missing_tools()
-            if missing:
-                problems.append(f"still missing after apt-get install: {', '.join(missing)}")
-    elif missing:
-        problems.append(f"missing binaries: {', '.join(missing)}")
-    if problems:
-        raise RuntimeError("FUSE benchmarks cannot run: " + "; ".join(problems))
+    if os.geteuid() == 0 and os.path.exists("/dev/fuse") and _missing_tools():
+        _apt_install()
+    problem = fuse_problem()
+    if problem is not None:
+        raise RuntimeError("FUSE benchmarks cannot run: " + problem)
     log.debug("FUSE tools present: %s", ", ".join(shutil.which(t) or t for t in _TOOLS))
 
 
@@ -132,126 +125,6 @@ def _run_quiet(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProce
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"{' '.join(cmd)} could not run: {exc}") from exc
-
-
-# -- S3 server ----------------------------------------------------------------------------
-
-
-def make_bucket(endpoint_url: str, name: str) -> str:
-    """Create bucket ``name`` on the S3 endpoint ``endpoint_url`` and return ``name``.
-
-    Uses path-style addressing, region us-east-1 and the fake ``testing`` keys.
-
-    Raises:
-        botocore.exceptions.ClientError: the endpoint refused (e.g. an invalid bucket name).
-        botocore.exceptions.EndpointConnectionError: nothing listens at ``endpoint_url``.
-    """
-    s3_client(endpoint_url).create_bucket(Bucket=name)
-    return name
-
-
-#: Seconds localbucket gets to answer after it is started, and to exit after SIGTERM.
-LOCALBUCKET_TIMEOUT_S = 30.0
-# The child asks the kernel for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG = 1), so even a
-# runner killed with SIGKILL leaves no server behind; then runs localbucket's own command line.
-# localbucket writes an answer's headers and its body in two writes on a socket with Nagle's
-# algorithm on: a body under ~64 KiB waits for the ACK of the headers, which the client delays by
-# 40 ms (measured: every GET of a 100 B-60 KB object, and every listing, took 44 ms; 200 KB took
-# 3 ms; moto 5 ms throughout). An S3 server does not make a client wait for its ACK timer, so the
-# harness turns Nagle off for localbucket's connections (socketserver's ``disable_nagle_algorithm``,
-# TCP_NODELAY), as for any server of small answers.
-_LOCALBUCKET_MAIN = (
-    "import ctypes, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "import localbucket\n"
-    "localbucket.S3Handler.disable_nagle_algorithm = True\n"
-    "sys.argv = ['localbucket', *sys.argv[1:]]\n"
-    "localbucket.main()\n"
-)
-
-
-def localbucket_available() -> str | None:
-    """None when ``localbucket`` imports in this interpreter, else why not (for the log)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", "import localbucket; print(localbucket.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        return lines[-1] if lines else f"exit status {proc.returncode}"
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def localbucket_server(data_root: Path) -> Iterator[tuple[str, int]]:
-    """Run ``localbucket`` (PyPI; one file, no dependencies) on 127.0.0.1, a free port, keeping its
-    buckets as directories under ``data_root`` (created if missing); yield ``(url, pid)``.
-
-    The server is a process of its own (``python -c`` running ``localbucket.main()``), so its CPU
-    can be read apart from the runner's (:func:`benchmarks.cpu.process_cpu_s` on the pid). Its request log goes to
-    ``data_root``'s sibling ``localbucket.log``. On exit, however the body ends, it gets SIGTERM,
-    then SIGKILL after :data:`LOCALBUCKET_TIMEOUT_S`; it also gets SIGTERM if this process dies.
-    The caller removes ``data_root``. Credentials are not checked; requests must be path-style.
-
-    Raises:
-        RuntimeError: the server exited or did not answer within :data:`LOCALBUCKET_TIMEOUT_S`
-            (the message carries the tail of its log).
-    """
-    data_root.mkdir(parents=True, exist_ok=True)
-    logfile = data_root.parent / "localbucket.log"
-    for _attempt in range(3):  # the free port may be taken between the probe and the bind
-        port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k in _DAEMON_ENV_KEEP}
-        with open(logfile, "ab") as log_out:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _LOCALBUCKET_MAIN, str(data_root), "--port", str(port)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        url = f"http://127.0.0.1:{port}"
-        if _wait_listening(proc, port):
-            break
-        _stop(proc)
-        if "Address already in use" not in _tail(logfile):
-            raise RuntimeError(f"localbucket did not start at {url}:\n{_tail(logfile)}")
-    else:
-        raise RuntimeError(f"localbucket found no free port:\n{_tail(logfile)}")
-    log.info("localbucket (pid %d) serving %s at %s", proc.pid, data_root, url)
-    try:
-        yield url, proc.pid
-    finally:
-        _stop(proc)
-
-
-def _wait_listening(proc: subprocess.Popen[bytes], port: int) -> bool:
-    deadline = time.monotonic() + LOCALBUCKET_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(LOCALBUCKET_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- FUSE mounts --------------------------------------------------------------------------
@@ -533,13 +406,9 @@ def _tail(path: Path) -> str:
 
 __all__ = [
     "DAEMON_EXIT_TIMEOUT_S",
-    "LOCALBUCKET_TIMEOUT_S",
     "MOUNT_TIMEOUT_S",
     "bindfs_mount",
     "ensure_fuse_tools",
-    "localbucket_available",
-    "localbucket_server",
-    "make_bucket",
-    "moto_server",
+    "fuse_problem",
     "s3fs_mount",
 ]

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from .run import REPO, case_env
-from .scale import BUCKET, FAKE_ENV, store
+from .scale import BUCKET, store
+from .servers import FAKE_ENV
 
 log = logging.getLogger("benchmarks.profile")
 
@@ -36,7 +37,7 @@ log = logging.getLogger("benchmarks.profile")
 #: frame of its stack that matches a category (the first category, in this order, that it matches):
 #: zlib's ``crc32_z`` names no category, so the CRC is charged to the Python frame that asked for it.
 CATEGORIES: list[tuple[str, str]] = [
-    ("benchmark set-up (random state, zero targets)", r"randn|zeros_like"),
+    ("benchmark set-up (random state, zero targets)", r"benchmarks/state\.py"),
     ("SigV4 SHA-256 of bodies (plain HTTP)", r"sha256|SHA256"),
     ("botocore CRC-32 of bodies (flexible checksums)", r"botocore/(?:httpchecksum|checksums)\.py"),
     ("our CRC-32: file digest, block verification", r"uc_checkpoint/format/integrity\.py"),

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .fmt import GIB, MIB, num
 from .scale_report import section_for
 
-MIB = 1 << 20
 # What the report says about a store other than moto (whose line is in the machine paragraph).
 STORE_TEXT = {
     "localbucket": "localbucket {version}: a small S3 server in a process of its own on 127.0.0.1, objects "
@@ -41,13 +41,12 @@ TARGETS = (
 )
 
 
-#: The case that measures DCP's own floor for async_save's blocked time (benchmarks.case.CopyOnlyWriter):
+#: The case that measures DCP's own floor for async_save's blocked time (benchmarks.clients.CopyOnlyWriter):
 #: shown beside the in-memory copy, not as a save path of its own (it saves to local disk).
 FLOOR_CASE = "dcp-floor"
 
 NAIVE_S = ("naive_save_s", "naive_load_s")
 NAIVE_CPU = ("naive_save_cpu_s", "naive_load_cpu_s")
-GIB = 1 << 30
 
 # (state-dict kind, requested size in MiB, ranks, S3 store): one section of the report.
 Combo = tuple[str, int, int, str]
@@ -343,10 +342,10 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
     cores busy is :data:`BUSY`'s figure ("-" where not measured)."""
 
     def per_gib(row: dict[str, float], key: str) -> str:
-        return _fmt(row[key] / (row["bytes"] / GIB)) if key in row else "-"
+        return num(row[key] / (row["bytes"] / GIB)) if key in row else "-"
 
     def busy(row: dict[str, float], key: str) -> str:
-        return _fmt(row.get(key))
+        return num(row.get(key))
 
     out: list[tuple[str, ...]] = []
     for (c, name), row in sorted(m.items(), key=lambda kv: kv[0][1]):
@@ -357,11 +356,11 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                 out.append(
                     (
                         "naive staged: FileSystemWriter to local disk, then boto3",
-                        _fmt(row["naive_save_s"]),
+                        num(row["naive_save_s"]),
                         per_gib(row, "naive_save_cpu_s"),
                         per_gib(row, "naive_save_store_cpu_s"),
                         busy(row, "naive_save_busy"),
-                        _fmt(row.get("naive_load_s")),
+                        num(row.get("naive_load_s")),
                         per_gib(row, "naive_load_cpu_s"),
                         per_gib(row, "naive_load_store_cpu_s"),
                         busy(row, "naive_load_busy"),
@@ -371,11 +370,11 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
                 out.append(
                     (
                         "raw boto3 on our files (transfer only)",
-                        _fmt(row["upload_s"]),
+                        num(row["upload_s"]),
                         per_gib(row, "upload_cpu_s"),
                         per_gib(row, "upload_store_cpu_s"),
                         busy(row, "upload_busy"),
-                        _fmt(row["download_s"]),
+                        num(row["download_s"]),
                         per_gib(row, "download_cpu_s"),
                         per_gib(row, "download_store_cpu_s"),
                         busy(row, "download_busy"),
@@ -385,21 +384,17 @@ def cpu_rows(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> list
             out.append(
                 (
                     name,
-                    _fmt(row["sync_save_s"]),
+                    num(row["sync_save_s"]),
                     per_gib(row, "sync_save_cpu_s"),
                     per_gib(row, "sync_save_store_cpu_s"),
                     busy(row, "sync_save_busy"),
-                    _fmt(row.get("load_s")),
+                    num(row.get("load_s")),
                     per_gib(row, "load_cpu_s"),
                     per_gib(row, "load_store_cpu_s"),
                     busy(row, "load_busy"),
                 )
             )
     return out
-
-
-def _fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if x is None else f"{x / scale:.{digits}f}"
 
 
 def _plot(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo, path: Path) -> bool:
@@ -502,13 +497,13 @@ def write_report(raw: dict[str, Any], path: Path) -> None:
             size = row["bytes"]
             if name == "boto3":
                 lines.append(
-                    f"| boto3 (raw upload / download) | - | {_fmt(row['upload_s'])} | {_fmt(row['download_s'])} "
+                    f"| boto3 (raw upload / download) | - | {num(row['upload_s'])} | {num(row['download_s'])} "
                     f"| - | - | {size / 1e6 / row['upload_s']:.0f} | {size / 1e6 / row['download_s']:.0f} |"
                 )
                 continue
             lines.append(
-                f"| {name} | {_fmt(row.get('blocked_s'), digits=3)} | {_fmt(row.get('publish_s'))} | {_fmt(row.get('load_s'))} "
-                f"| {_fmt(row.get('sync_peak_extra_bytes'), MIB, 0)} | {_fmt(row.get('async_peak_extra_bytes'), MIB, 0)} "
+                f"| {name} | {num(row.get('blocked_s'), digits=3)} | {num(row.get('publish_s'))} | {num(row.get('load_s'))} "
+                f"| {num(row.get('sync_peak_extra_bytes'), MIB, 0)} | {num(row.get('async_peak_extra_bytes'), MIB, 0)} "
                 f"| {size / 1e6 / row['publish_s']:.0f} | {size / 1e6 / row['load_s']:.0f} |"
             )
         memcopy = combo_memcopy(m, combo) or float("nan")

@@ -36,9 +36,9 @@ root under the scratch directory, so that the store's limits can be told apart f
 costs. localbucket rejects keys ending in "/", so s3fs-fuse cannot mount it: the FUSE cases run on
 moto only. Each result carries its ``store``; the report has a section per store.
 
-Store CPU: ``store_cpu_s`` is the S3 server's user + system CPU over the whole case run (moto: this
-process's own ``os.times()``, as moto runs in it and this process only waits meanwhile; localbucket:
-``/proc/<pid>/stat``), and the cases split it per timed call (``*_store_cpu_s``, see
+Store CPU: ``store_cpu_s`` is the S3 server's user + system CPU over the whole case run (psutil on
+its pid; moto's is this process's own, as moto runs in it and this process only waits meanwhile),
+and the cases split it per timed call (``*_store_cpu_s``, see
 :mod:`benchmarks.case`).
 
 Results: ``docs/benchmarks.json`` (every run), ``docs/benchmarks.md`` (medians, the targets' ratios,
@@ -65,7 +65,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from .cpu import STORE_PID_ENV, process_cpu_s, self_cpu_s
+from .usage import STORE_PID_ENV, cpu_s
 
 log = logging.getLogger("benchmarks.run")
 REPO = Path(__file__).resolve().parent.parent
@@ -230,12 +230,12 @@ def run_case(
     else:
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
         cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", "-m", "benchmarks.case", *args]
+    # moto serves from threads of this process (the pid is this one's), which only waits for the case
+    # meanwhile; localbucket from its own.
     store_pid = int(env[STORE_PID_ENV])
-    # moto serves from threads of this process, which only waits for the case meanwhile.
-    store_cpu = self_cpu_s if store_pid == os.getpid() else (lambda: process_cpu_s(store_pid))
-    started, cpu0 = time.perf_counter(), store_cpu()
+    started, cpu0 = time.perf_counter(), cpu_s(store_pid)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 120)
-    store_cpu_s = store_cpu() - cpu0
+    store_cpu_s = cpu_s(store_pid) - cpu0
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(
             f"benchmark case {name} ({ranks} ranks, {store}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
@@ -253,7 +253,7 @@ def run_case(
 
 def _clean_case(name: str, run_id: str, dirs: dict[str, Path], env: dict[str, str], store: str) -> None:
     """Delete what a case wrote (moto holds objects in memory and temporary files; disks are small)."""
-    from .mounts import s3_client
+    from tests.support.s3_fixtures import s3_client
 
     client = s3_client(env["AWS_ENDPOINT_URL"])
     for bucket in (DIRECT_BUCKET, FUSE_BUCKET) if name not in EVERY_STORE_CASES else (DIRECT_BUCKET,):
@@ -372,16 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     # unwinds the ExitStack below.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    from .mounts import (
-        bindfs_mount,
-        ensure_fuse_tools,
-        localbucket_available,
-        localbucket_server,
-        make_bucket,
-        moto_server,
-        s3fs_mount,
-    )
+    from tests.support.s3_fixtures import moto_server
+
+    from .mounts import bindfs_mount, ensure_fuse_tools, s3fs_mount
     from .report import update_readme, write_report
+    from .servers import localbucket_available, localbucket_process, make_bucket
 
     cases = [
         c
@@ -431,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
             envs["moto"] = case_env(url, dirs["staging"], os.getpid())
         if "localbucket" in stores:
-            lb_url, lb_pid = stack.enter_context(localbucket_server(work / "localbucket" / "data"))
+            lb_url, lb_pid = stack.enter_context(localbucket_process(work / "localbucket" / "data"))
             make_bucket(lb_url, DIRECT_BUCKET)
             envs["localbucket"] = case_env(lb_url, dirs["staging"], lb_pid)
         for repeat in range(args.repeats):

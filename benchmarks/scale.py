@@ -42,13 +42,11 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -58,13 +56,14 @@ from pathlib import Path
 from typing import Any
 
 from .run import case_env, host_facts
+from .servers import FAKE_ENV, localbucket_available, localbucket_process, make_bucket, moto_process
+from .usage import peak_rss_bytes
 
 log = logging.getLogger("benchmarks.scale")
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 BUCKET = "scalebench"
 SWEEPS = ("ranks", "size", "tensors", "checkpoints", "reshard")
-FAKE_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 #: The full grid, and the reduced one of ``--quick`` (about a minute on 2 cores).
 FULL = {
@@ -98,23 +97,6 @@ QUICK = {
 # -- the store ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _peak_rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 @dataclass
 class Store:
     """A running S3 server (``direct``) and, when requests are counted, the fault proxy in front
@@ -126,77 +108,31 @@ class Store:
     pid: int
 
     def peak_rss_mib(self) -> float | None:
-        return _peak_rss_mib(self.pid)
+        """The server process's peak RSS so far, in MiB; None once it is gone."""
+        peak = peak_rss_bytes(self.pid)
+        return None if peak is None else peak / 2**20
 
 
 @contextlib.contextmanager
 def store(work: Path, *, counted: bool, kind: str = "moto") -> Iterator[Store]:
     """An S3 server in its own process on a free port (its CPU and memory are not the client's),
     with bucket :data:`BUCKET`, and with ``counted`` the fault proxy in front of it. ``kind``:
-    ``moto`` (objects in memory, those over 5 MiB in temporary files) or ``localbucket`` (objects in files under ``work``, removed after)."""
-    server = _localbucket if kind == "localbucket" else _moto
-    with server(work) as (url, pid):
-        _s3(url).create_bucket(Bucket=BUCKET)
-        if counted:
-            from tests.support.s3_fixtures import FaultProxy
-
-            with FaultProxy(url) as proxy:
-                yield Store(url, proxy.url, proxy, pid)
-        else:
-            yield Store(url, url, None, pid)
-
-
-@contextlib.contextmanager
-def _moto(work: Path) -> Iterator[tuple[str, int]]:
-    """moto's server on a free port: ``(url, pid)``."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    logfile = open(work / f"moto-{port}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=logfile,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **FAKE_ENV},
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/", timeout=2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server on port {port} did not start; see {logfile.name}") from None
-                time.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        logfile.close()
-
-
-@contextlib.contextmanager
-def _localbucket(work: Path) -> Iterator[tuple[str, int]]:
-    """localbucket (:func:`benchmarks.mounts.localbucket_server`) keeping its objects under
-    ``work``, removed afterwards: ``(url, pid)``."""
-    from .mounts import localbucket_server
-
+    ``moto`` (objects in memory, those over 5 MiB in temporary files) or ``localbucket`` (objects in
+    files under ``work``, removed after); :mod:`benchmarks.servers` starts either."""
     root = work / f"localbucket-{uuid.uuid4().hex[:8]}"
+    server = localbucket_process(root / "data") if kind == "localbucket" else moto_process(work)
     try:
-        with localbucket_server(root / "data") as served:
-            yield served
+        with server as (url, pid):
+            make_bucket(url, BUCKET)
+            if counted:
+                from tests.support.s3_fixtures import FaultProxy
+
+                with FaultProxy(url) as proxy:
+                    yield Store(url, proxy.url, proxy, pid)
+            else:
+                yield Store(url, url, None, pid)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _s3(endpoint: str) -> Any:
-    from tests.support.s3_fixtures import s3_client
-
-    return s3_client(endpoint)
 
 
 def api_of(method: str, path: str) -> str:
@@ -376,9 +312,7 @@ def sweep_ranks(work: Path, grid: dict[str, Any], timeout: float) -> list[dict[s
 
 def size_stores() -> list[str]:
     """The stores of the size sweep: moto, and localbucket where it imports (see
-    :func:`benchmarks.mounts.localbucket_available`)."""
-    from .mounts import localbucket_available
-
+    :func:`benchmarks.servers.localbucket_available`)."""
     reason = localbucket_available()
     if reason is not None:
         log.info("size: localbucket not run (%s)", reason)
@@ -475,7 +409,9 @@ def _checkpoints_point(work: Path, n: int, reps: int) -> dict[str, Any]:
     from uc_checkpoint.volumes import S3Volume
 
     with store(work, counted=True) as st:
-        client = _s3(st.direct)
+        from tests.support.s3_fixtures import s3_client
+
+        client = s3_client(st.direct)
         root = f"s3://{BUCKET}/run"
         CheckpointManager(S3Volume(root, endpoint_url=st.direct), keep_last=None, async_save=False).save(
             1, tiny_state(1)

@@ -13,7 +13,7 @@ State (``--state``): ``gpt`` (:func:`benchmarks.state.build`, each rank generati
 ``global`` (the 1-rank ``gpt`` state generated whole on every rank and cut into this world's Shard(0)
 pieces: the same checkpoint content for any world size, so a load by another world size can be
 checked), ``tensors`` (``--tensors`` float32 tensors of equal size under one ``"model"`` key, ``--size-mb``
-in all).
+in all: :mod:`benchmarks.state`'s ``equal``).
 
 Measures per rank: ``save_s`` / ``load_s`` (wall, after a barrier), ``save_cpu_s`` / ``load_cpu_s``
 (user + system seconds of this process, all threads; the S3 server runs elsewhere), and on rank 0
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import state
-from .cpu import self_cpu_s
+from . import clients, state
+from .usage import cpu_s
 
 #: The key rank 0 looks up between the save and the load (see the module docstring).
 PHASE_MARK = "__scale_phase_mark__"
@@ -65,68 +65,14 @@ def _client(endpoint: str | None) -> Any:
     return boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))
 
 
-def _local_piece(t: torch.Tensor, mesh: Any) -> Any:
-    """This rank's Shard(0) piece of a whole tensor, as a DTensor (torch.chunk's split, as DTensor)."""
-    if mesh is None:
-        return t.clone()
-    from torch.distributed.tensor import DTensor, Shard
-
-    world, rank = mesh.size(), mesh.get_local_rank()
-    piece = -(-t.shape[0] // world)
-    lo, hi = min(t.shape[0], rank * piece), min(t.shape[0], (rank + 1) * piece)
-    return DTensor.from_local(t[lo:hi].clone(), mesh, [Shard(0)], shape=t.shape, stride=t.stride(), run_check=False)
-
-
-def _sharded(sd: Any, mesh: Any) -> Any:
-    if isinstance(sd, dict):
-        return {k: _sharded(v, mesh) for k, v in sd.items()}
-    if isinstance(sd, torch.Tensor):
-        # Scalars (AdamW's step) stay plain tensors, as benchmarks.state builds them.
-        return _local_piece(sd, mesh) if sd.dim() > 0 else sd.clone()
-    return sd
-
-
-def tensors_state(n: int, size_bytes: int, *, zeros: bool = False) -> dict[str, Any]:
-    """``n`` float32 tensors of ``size_bytes / n`` bytes (at least one element) under ``"model"``."""
-    numel = max(1, size_bytes // 4 // n)
-    g = torch.Generator().manual_seed(n)
-    model = {f"t{i:06d}": torch.zeros(numel) if zeros else torch.rand(numel, generator=g) for i in range(n)}
-    return {"model": model, "step": -1 if zeros else 1000}
-
-
 def build(args: argparse.Namespace, mesh: Any, *, zeros: bool) -> Any:
     if args.state == "gpt":
         return state.build("gpt", args.size_mb << 20, mesh, zeros=zeros)
     if args.state == "global":
         if zeros:
             return state.build("gpt", args.size_mb << 20, mesh, zeros=True)
-        return _sharded(state.build("gpt", args.size_mb << 20, None), mesh)
-    return tensors_state(args.tensors, args.size_mb << 20, zeros=zeros)
-
-
-def _writer(args: argparse.Namespace) -> Any:
-    if args.writer == "fs":
-        return dcp.FileSystemWriter(args.dest)
-    from uc_checkpoint import UCVolumeWriter
-
-    return UCVolumeWriter(args.dest)
-
-
-def _planner(args: argparse.Namespace) -> Any:
-    """Ours with the planner the README recommends beside it; DCP's default for the stock writer."""
-    if args.writer == "fs":
-        return None
-    from uc_checkpoint import UCSavePlanner
-
-    return UCSavePlanner()
-
-
-def _reader(args: argparse.Namespace) -> Any:
-    if args.writer == "fs":
-        return dcp.FileSystemReader(args.dest)
-    from uc_checkpoint import UCVolumeReader
-
-    return UCVolumeReader(args.dest)
+        return state.shard(state.build("gpt", args.size_mb << 20, None), mesh)
+    return state.build("equal", args.size_mb << 20, mesh, zeros=zeros, tensors=args.tensors)
 
 
 def _probe(args: argparse.Namespace, t0_box: list[float], out: dict[str, Any], stop: threading.Event) -> None:
@@ -159,10 +105,10 @@ def save(args: argparse.Namespace, sd: Any, rank: int) -> dict[str, Any]:
         probe = threading.Thread(target=_probe, args=(args, t0_box, out, stop), daemon=True)
         probe.start()
     t0_box[0] = t0 = time.perf_counter()
-    c0 = self_cpu_s()
-    dcp.save(sd, storage_writer=_writer(args), planner=_planner(args))
+    c0 = cpu_s()
+    dcp.save(sd, storage_writer=clients.writer(args.writer, args.dest), planner=clients.planner(args.writer))
     out["save_s"] = time.perf_counter() - t0
-    out["save_cpu_s"] = self_cpu_s() - c0
+    out["save_cpu_s"] = cpu_s() - c0
     if probe is not None:
         probe.join(timeout=30)
         stop.set()
@@ -209,10 +155,10 @@ def load(args: argparse.Namespace, expected: Any, mesh: Any) -> dict[str, Any]:
     target = build(args, mesh, zeros=True)
     gc.collect()
     _barrier()
-    t0, c0 = time.perf_counter(), self_cpu_s()
-    dcp.load(target, storage_reader=_reader(args))
+    t0, c0 = time.perf_counter(), cpu_s()
+    dcp.load(target, storage_reader=clients.reader(args.writer, args.dest))
     out["load_s"] = time.perf_counter() - t0
-    out["load_cpu_s"] = self_cpu_s() - c0
+    out["load_cpu_s"] = cpu_s() - c0
     state.assert_equal(expected, target)
     out["verified"] = True
     return out
@@ -245,10 +191,10 @@ def raw_download(args: argparse.Namespace) -> dict[str, Any]:
         multipart_chunksize=DEFAULT_PART_SIZE,
         max_concurrency=DEFAULT_MAX_CONCURRENCY,
     )
-    t0, c0 = time.perf_counter(), self_cpu_s()
+    t0, c0 = time.perf_counter(), cpu_s()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda k: client.download_fileobj(bucket, k, _Discard(), Config=config), keys))
-    return {"raw_download_s": time.perf_counter() - t0, "raw_download_cpu_s": self_cpu_s() - c0}
+    return {"raw_download_s": time.perf_counter() - t0, "raw_download_cpu_s": cpu_s() - c0}
 
 
 def main(argv: list[str] | None = None) -> int:

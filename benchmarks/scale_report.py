@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MIB = 1 << 20
-GIB = 1 << 30
+from .fmt import GIB, MIB, point
+
 BEGIN, END = "<!-- scale:begin -->", "<!-- scale:end -->"
 #: How much steeper than its bound a cost may measure before it is flagged (timing noise on a shared
 #: 2-core machine; request and file counts are exact).
@@ -117,7 +117,7 @@ class Series:
         return self.bound is not None and self.growth.exponent > self.bound + TOLERANCE and not self.store_bound
 
     def points(self) -> str:
-        return ", ".join(f"{self.y_fmt.format(y)} at {_num(x)}" for x, y in zip(self.xs, self.ys))
+        return ", ".join(f"{self.y_fmt.format(y)} at {point(x)}" for x, y in zip(self.xs, self.ys))
 
     def verdict(self) -> str:
         g = self.growth
@@ -128,10 +128,6 @@ class Series:
             ref = self.reference.cost.split(" (")[0]
             text += f"; {ref} grows alike, exponent {self.reference.growth.exponent:.2f}"
         return text + ")"
-
-
-def _num(x: float) -> str:
-    return f"{x:,.0f}" if x >= 1 else f"{x:g}"
 
 
 def _rows(data: dict[str, Any], key: str) -> list[dict[str, Any]]:

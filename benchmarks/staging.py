@@ -38,11 +38,13 @@ before the call, up to staging completion, of one cold save in a fresh process (
 through ``/proc/self/clear_refs``; within one process freed heap is reused and hides allocations),
 against a cold ``clone`` measured the same way.
 
-States (``--kinds``):
+States (``--kinds``, :data:`STATES`; built by :mod:`benchmarks.state`):
 
-* ``gpt``: float32 tensors of 16, 4 and 1 MiB (8 + 24 + 32 = 256 MiB), nested as model/optimizer;
+* ``gpt``: float32 tensors of 16, 4 and 1 MiB (8 + 24 + 32 = 256 MiB), nested as model/optimizer
+  (the ``blocks`` kind);
 * ``small``: 5,000 float32 tensors of 4-64 KiB (sizes cycle 4, 16, 64 KiB; ~140 MiB) nested as
-  ``{"model": {"layerN": {"tK": ...}}}``, the shape that stresses per-tensor overhead.
+  ``{"model": {"layerN": {"tK": ...}}}``, the shape that stresses per-tensor overhead (the
+  ``layers`` kind).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from uc_checkpoint import StagingBuffers, UCVolumeWriter
 from uc_checkpoint.dcp.stager import BackgroundStager
 
-from .cpu import reset_peak_rss, rss_kib
+from . import state
+from .fmt import MIB, num
+from .usage import peak_rss_above, reset_peak_rss, rss_bytes
 
 log = logging.getLogger("benchmarks.staging")
 
@@ -87,40 +91,14 @@ METHODS = (
 )
 
 
+#: The staging benchmark's states (``--kinds``): the :mod:`benchmarks.state` kind and its full size.
+STATES = {"gpt": ("blocks", 256 << 20), "small": ("layers", 5000 * state.LAYERS_MEAN_BYTES)}
+
+
 def build_state(kind: str, scale: float = 1.0) -> dict[str, Any]:
-    """The benchmark's state dict; ``scale`` shrinks it (quick runs)."""
-    g = torch.Generator().manual_seed(0)
-    if kind == "gpt":
-        counts = {16: 8, 4: 24, 1: 32}  # MiB -> tensors: 256 MiB in all
-        model: dict[str, Any] = {}
-        optim: dict[str, Any] = {}
-        for mib, n in counts.items():
-            for i in range(max(1, round(n * scale))):
-                numel = (mib << 20) // 4
-                model[f"w{mib}m_{i}"] = torch.rand(numel, generator=g)
-                optim[f"w{mib}m_{i}"] = {"step": torch.tensor(1000.0)}
-        return {"model": model, "optim": {"state": optim}, "step": 1000}
-    if kind == "small":
-        n = max(10, round(5000 * scale))
-        sizes = (4 << 10, 16 << 10, 64 << 10)
-        layers: dict[str, Any] = {}
-        for i in range(n):
-            layer = layers.setdefault(f"layer{i // 10}", {})
-            layer[f"t{i % 10}"] = torch.rand(sizes[i % 3] // 4, generator=g)
-        return {"model": layers, "step": 1000}
-    raise ValueError(f"unknown state kind {kind!r} (use 'gpt' or 'small')")
-
-
-def _clone(sd: Any) -> Any:
-    if isinstance(sd, dict):
-        return {k: _clone(v) for k, v in sd.items()}
-    return sd.clone() if isinstance(sd, torch.Tensor) else sd
-
-
-def _tensors(sd: Any) -> list[torch.Tensor]:
-    if isinstance(sd, dict):
-        return [t for v in sd.values() for t in _tensors(v)]
-    return [sd] if isinstance(sd, torch.Tensor) else []
+    """The state dict of ``kind`` (a key of :data:`STATES`); ``scale`` shrinks it (quick runs)."""
+    layout, size = STATES[kind]
+    return state.build(layout, round(scale * size))
 
 
 def _settle() -> int:
@@ -132,17 +110,17 @@ def _settle() -> int:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    return rss_kib("VmRSS")
+    return rss_bytes()
 
 
 def measure_copy(sd: Any, dst: list[torch.Tensor]) -> dict[str, float]:
     """The in-memory copies: ``clone`` (fresh memory) and ``copy_into`` (into ``dst``), in seconds."""
     _settle()
     t0 = time.perf_counter()
-    copy = _clone(sd)
+    copy = state.cpu_copy(sd)
     clone_s = time.perf_counter() - t0
     del copy
-    src = _tensors(sd)
+    src = list(state.tensors_of(sd))
     _settle()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -195,7 +173,7 @@ def measure_save(sd: Any, method: str, dest: str, kept: dict[str, Any]) -> dict[
     else:
         staged = blocked
         upload = response
-    peak = max(0, rss_kib("VmHWM") - base) * 1024
+    peak = peak_rss_above(base)
     upload.result()
     if stager is not None and not method.endswith("-reused"):
         stager.close()
@@ -223,8 +201,8 @@ def _memory_here(kind: str, method: str, scale: float) -> float:
     if method == "clone":
         base = _settle()
         reset_peak_rss()
-        copy = _clone(sd)
-        peak = max(0, rss_kib("VmHWM") - base) * 1024
+        copy = state.cpu_copy(sd)
+        peak = peak_rss_above(base)
         del copy
         return float(peak)
     with tempfile.TemporaryDirectory(prefix="uc-staging-mem-") as tmp:
@@ -238,7 +216,7 @@ def run(kinds: list[str], methods: list[str], repeats: int, scale: float, memory
     with tempfile.TemporaryDirectory(prefix="uc-staging-bench-") as tmp:
         for kind in kinds:
             sd = build_state(kind, scale)
-            dst = [torch.empty_like(t) for t in _tensors(sd)]
+            dst = [torch.empty_like(t) for t in state.tensors_of(sd)]
             kept: dict[str, Any] = {}
             samples: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
             for rep in range(repeats + 1):  # repeat 0 warms up (first save, imports, reused buffers)
@@ -263,7 +241,7 @@ def _median(rows: list[dict[str, float]], key: str) -> float:
 def _summarise(
     kind: str, samples: dict[str, list[dict[str, float]]], peaks: dict[str, float], scale: float
 ) -> dict[str, Any]:
-    tensors = _tensors(build_state(kind, scale))
+    tensors = list(state.tensors_of(build_state(kind, scale)))
     every = [r for rows in samples.values() for r in rows]
     clone_peak = peaks.get("clone")
     out: dict[str, Any] = {
@@ -290,14 +268,6 @@ def _summarise(
     return out
 
 
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f}"
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
 def table(results: dict[str, Any]) -> str:
     """Markdown tables of :func:`run`'s results."""
     lines = []
@@ -305,7 +275,7 @@ def table(results: dict[str, Any]) -> str:
         lines += [
             f"### {kind}: {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB; "
             f"clone {r['clone_s'] * 1e3:.1f} ms, copy into preallocated {r['copy_into_s'] * 1e3:.1f} ms, "
-            f"clone peak {_mib(r['clone_peak_bytes'])} MiB (medians)",
+            f"clone peak {num(r['clone_peak_bytes'], MIB, 0)} MiB (medians)",
             "",
             "| method | blocked ms | staged ms | vs | blocked x | staged x | peak extra MiB | peak x clone |",
             "|---|---|---|---|---|---|---|---|",
@@ -313,8 +283,8 @@ def table(results: dict[str, Any]) -> str:
         for m, row in r["methods"].items():
             lines.append(
                 f"| {m} | {row['blocked_s'] * 1e3:.1f} | {row['staged_s'] * 1e3:.1f} | {row['baseline']} "
-                f"| {row['blocked_x']:.2f} | {row['staged_x']:.2f} | {_mib(row['peak_bytes'])} "
-                f"| {_fmt(row['peak_x'])} |"
+                f"| {row['blocked_x']:.2f} | {row['staged_x']:.2f} | {num(row['peak_bytes'], MIB, 0)} "
+                f"| {num(row['peak_x'])} |"
             )
         lines.append("")
     return "\n".join(lines)

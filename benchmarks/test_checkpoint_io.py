@@ -5,8 +5,8 @@ cannot rot; ``./scripts/test.sh benchmarks/test_checkpoint_io.py --benchmark-ena
 times them at ``UC_BENCH_MB`` (default 64). The full comparison with its report is
 ``./scripts/bench.sh``.
 
-FUSE cases need root and /dev/fuse (s3fs and bindfs are apt-installed when missing); without them
-they are skipped with the reason.
+FUSE cases need root, /dev/fuse, s3fs and bindfs (``./scripts/bench.sh`` installs the tools; the
+tests do not); without them they are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -26,25 +26,13 @@ FUSE_CASES = ("uc-s3fs", "fs-s3fs", "uc-bindfs", "fs-bindfs")
 CASES = ("uc-s3", "uc-s3-unsigned", "fs-local", "s3tc", "boto3", "dcp-floor", *FUSE_CASES)
 
 
-def _fuse_problem() -> str | None:
-    if os.geteuid() != 0:
-        return "FUSE mounts need root"
-    if not os.path.exists("/dev/fuse"):
-        return "no /dev/fuse"
-    from benchmarks.mounts import ensure_fuse_tools
-
-    try:
-        ensure_fuse_tools()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.fixture(scope="module")
 def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, dict, str | None]]:
     """moto, the two buckets and (when possible) the s3fs and bindfs mounts, as benchmarks.run sets
     them up: (dirs, env, why FUSE cases are skipped or None)."""
-    from benchmarks.mounts import bindfs_mount, make_bucket, moto_server, s3fs_mount
+    from benchmarks.mounts import bindfs_mount, fuse_problem, s3fs_mount
+    from benchmarks.servers import make_bucket
+    from tests.support.s3_fixtures import moto_server
 
     work = tmp_path_factory.mktemp("bench")
     dirs = {"work": work, "local": work / "local", "bind_src": work / "bind-src", "staging": work / "staging"}
@@ -54,7 +42,7 @@ def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, 
         url = stack.enter_context(moto_server())
         make_bucket(url, FUSE_BUCKET)
         make_bucket(url, DIRECT_BUCKET)
-        no_fuse = _fuse_problem()
+        no_fuse = fuse_problem()
         if no_fuse is None:
             dirs["s3fs"] = stack.enter_context(s3fs_mount(url, FUSE_BUCKET, work / "mnt-s3fs"))
             dirs["bindfs"] = stack.enter_context(bindfs_mount(dirs["bind_src"], work / "mnt-bindfs"))
@@ -94,7 +82,7 @@ def test_the_floor_writer_stages_only_a_copy_and_saves_what_it_copied(tmp_path) 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from benchmarks.case import CopyOnlyWriter
+    from benchmarks.clients import CopyOnlyWriter
 
     sd = {"model": {"w": torch.arange(10.0)}, "step": 3}
     staged = CopyOnlyWriter(str(tmp_path / "probe")).stage(sd)
@@ -142,12 +130,12 @@ def test_the_preheat_touches_memory_outside_this_process() -> None:
     """The preheat must not raise the case process's own peak memory (VmHWM), which the save and
     load phases report as their peak extra memory."""
     from benchmarks import case
-    from benchmarks.cpu import reset_peak_rss, rss_kib
+    from benchmarks.usage import peak_rss_above, reset_peak_rss, rss_bytes
 
     reset_peak_rss()
-    before = rss_kib("VmHWM")
+    before = rss_bytes()
     case._preheat(256 << 20)
-    assert rss_kib("VmHWM") - before < 64 << 10  # KiB: far below the 256 MiB touched
+    assert peak_rss_above(before) < 64 << 20  # far below the 256 MiB touched
 
 
 def test_the_preheat_takes_at_most_half_the_memory_available(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.fmt import MIB
 from benchmarks.report import (
     README_BEGIN,
     README_END,
@@ -24,8 +25,6 @@ from benchmarks.report import (
     write_report,
 )
 from benchmarks.run import _pick_stores, narrower_run, parse_kind
-
-MIB = 1 << 20
 
 
 def _result(name: str, repeat: int, size_mb: int, **measures: float) -> dict:

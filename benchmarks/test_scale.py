@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.fmt import MIB
 from benchmarks.report import write_report
 from benchmarks.scale import api_of, split_at_mark
 from benchmarks.scale_case import PHASE_MARK
@@ -24,8 +25,6 @@ from benchmarks.scale_report import (
     update_main_report,
 )
 from tests.support.s3_fixtures import ProxyRecord
-
-MIB = 1 << 20
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ while (($#)); do
     esac
     shift
 done
-UC_SETUP_EXTRAS=test,bench ./scripts/setup.sh
+UC_SETUP_EXTRAS=test,bench ./scripts/setup.sh --if-needed
 if ((run)); then
     .venv/bin/python -m benchmarks.run ${run_args[@]+"${run_args[@]}"}
 fi

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite. Extra arguments go to pytest.
+# Set up when needed (scripts/setup.sh --if-needed), then run the test suite: pyproject.toml's
+# testpaths, tests/. Extra arguments go to pytest; `UC_SETUP_EXTRAS=test,bench ./scripts/test.sh
+# benchmarks` runs the benchmarks' quick tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --if-needed
 exec .venv/bin/python -m pytest "$@"

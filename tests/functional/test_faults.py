@@ -1,6 +1,7 @@
 """Real faults on the staging disk: a full staging filesystem (a 1 MiB tmpfs, so ENOSPC comes from
 the kernel) and the staging directory deleted while a save runs. Each must give a clear error naming
-the cause, publish nothing, and leave the previous checkpoint loadable."""
+the cause, publish nothing, and leave the previous checkpoint loadable. And a volume mounted
+read-only: the save fails with a VolumeError naming it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.conftest import causes
+from tests.conftest import cause, causes, make_state_dict
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.errors import StagingError
+from uc_checkpoint.errors import StagingError, VolumeError
 
 
 def state(seed: int, mib: int = 4) -> dict:
@@ -84,3 +85,16 @@ def test_staging_dir_deleted_during_save(tmp_path: Path, staging: Path) -> None:
     out = {"w": torch.zeros_like(state(3)["w"]), "meta": {"seed": -1}}
     dcp.load(out, storage_reader=UCVolumeReader(dest))
     assert torch.equal(out["w"], state(3)["w"])
+
+
+def test_read_only_volume(tmp_path: Path, staging: Path) -> None:
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        with pytest.raises(CheckpointException) as ei:
+            dcp.save(make_state_dict(), storage_writer=UCVolumeWriter(mnt / "ckpt"))
+        assert isinstance(cause(ei), VolumeError) and str(mnt) in str(cause(ei))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -1,1 +1,2 @@
-"""Integration tests: several real processes (torchrun with gloo, forked savers) and real kills."""
+"""Integration tests: several real processes (torchrun with gloo, DataLoader workers, forked savers,
+fresh interpreters) and real kills."""

@@ -1,6 +1,6 @@
 """The benchmark mounts (benchmarks/mounts.py): s3fs over moto and bindfs come up, carry
-bytes both ways, and are gone after the context exits. Needs root and /dev/fuse (s3fs and
-bindfs are installed with apt-get when missing)."""
+bytes both ways, and are gone after the context exits. Needs root, /dev/fuse, s3fs and bindfs
+(skipped with the reason otherwise; ``./scripts/bench.sh`` installs the tools, the tests do not)."""
 
 from __future__ import annotations
 
@@ -10,30 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.mounts import (
-    bindfs_mount,
-    ensure_fuse_tools,
-    make_bucket,
-    moto_server,
-    s3fs_mount,
-)
-from tests.support.s3_fixtures import s3_client
+from benchmarks.mounts import bindfs_mount, fuse_problem, s3fs_mount
+from benchmarks.servers import make_bucket
+from tests.support.s3_fixtures import moto_server, s3_client
 
 pytestmark = [
-    pytest.mark.skipif(
-        not hasattr(os, "geteuid") or os.geteuid() != 0,
-        reason="FUSE mounts need root (s3fs/bindfs are apt-installed as root)",
-    ),
-    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse (container without the FUSE device)"),
+    pytest.mark.skipif(fuse_problem() is not None, reason=f"no FUSE mounts here: {fuse_problem()}"),
     pytest.mark.timeout(120),
 ]
 
 SIZE = 3 << 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fuse_tools() -> None:
-    ensure_fuse_tools()
 
 
 def payload() -> bytes:

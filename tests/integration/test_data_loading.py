@@ -3,6 +3,7 @@ StatefulDataLoader when installed, and DCP saves/loads of its state.
 
 Ranks are simulated in one process here (one tracker and one loader per rank, their local states
 gathered by hand); tests/integration/test_data_multirank.py does the same across real torchrun ranks.
+The loader's refusals, which need no worker: tests/unit/test_data_inputs.py.
 Samples are ``(shard, offset)`` pairs, so every test can compare what was read, sample by sample,
 with one uninterrupted epoch.
 """
@@ -21,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
-from uc_checkpoint.errors import DataLoadingError, DatasetMismatchError
+from uc_checkpoint.errors import DatasetMismatchError
 
 SIZES = (7, 0, 23, 5, 16, 11, 2, 19)
 SHARDS = [ShardSpec(f"part-{i:03d}.jsonl", n) for i, n in enumerate(SIZES)]
@@ -163,34 +164,6 @@ def test_transform_drops_are_counted_in_raw_samples() -> None:
     assert trackers2[0].epoch_done()  # odd samples at slice ends were accounted for too
 
 
-def test_reader_that_yields_too_few_samples_is_named() -> None:
-    def short_reader(shard: ShardSpec, start: int, end: int):
-        yield from read_shard(shard, start, min(end, start + 1))
-
-    tracker = DataTracker(SHARDS, num_workers=0)
-    loader = TrackedDataLoader(TrackedShardDataset(tracker, short_reader), batch_size=2)
-    with pytest.raises(DataLoadingError, match=r"read_shard\('part-\d{3}\.jsonl', 0, \d+\) yielded 1 samples"):
-        list(loader)
-
-
-def test_worker_count_must_match_tracker() -> None:
-    tracker = DataTracker(SHARDS, num_workers=2)
-    with pytest.raises(DataLoadingError, match="num_workers=3 but the DataTracker was built with num_workers=2"):
-        TrackedDataLoader(TrackedShardDataset(tracker, read_shard), num_workers=3)
-    with pytest.raises(TypeError, match="shuffle"):
-        TrackedDataLoader(TrackedShardDataset(tracker, read_shard), num_workers=2, shuffle=True)
-
-
-def test_changing_the_work_during_an_iteration_is_refused() -> None:
-    tracker = DataTracker(SHARDS)
-    loader = TrackedDataLoader(TrackedShardDataset(tracker, read_shard), batch_size=2)
-    it = iter(loader)
-    next(it)
-    tracker.start_epoch(1)
-    with pytest.raises(DataLoadingError, match="while a loader iterator was running"):
-        next(it)
-
-
 def test_stateful_dataloader_from_torchdata() -> None:
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
     trackers, loaders = make_rank_loaders(2, 2, loader_cls=sdl.StatefulDataLoader)
@@ -225,14 +198,6 @@ def test_dcp_save_and_load_through_uc_volume(tmp_path: Path, staging: Path) -> N
         err = next(iter(failures.values())) if failures else err.__cause__
     assert isinstance(err, DatasetMismatchError), repr(exc.value)
     assert "part-004.jsonl" in str(err)
-
-
-def test_stateful_without_process_group_needs_world_size_one() -> None:
-    tracker = DataTracker(SHARDS, rank=0, world_size=2)
-    with pytest.raises(DataLoadingError, match="world_size=2 but torch.distributed is not initialised"):
-        TrackerStateful(tracker).state_dict()
-    with pytest.raises(ValueError, match="not a TrackerStateful state dict"):
-        TrackerStateful(tracker).load_state_dict({"other": 1})
 
 
 def test_loader_leaves_the_global_rng_alone() -> None:
