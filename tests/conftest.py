@@ -55,9 +55,9 @@ def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> bool:
 
 @pytest.fixture(autouse=True)
 def _fresh_s3_clients() -> Iterator[None]:
-    """Each test starts with no shared boto3 client (uc_checkpoint.volumes.s3.CLIENTS): tests hook
+    """Each test starts with no shared boto3 client (uc_checkpoint.volumes.s3_client.CLIENTS): tests hook
     events onto their volume's client, which must not reach the next test's volumes."""
-    from uc_checkpoint.volumes.s3 import CLIENTS
+    from uc_checkpoint.volumes.s3_client import CLIENTS
 
     CLIENTS.clear()
     yield

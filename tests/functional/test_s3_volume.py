@@ -574,7 +574,7 @@ def test_volumes_with_the_same_settings_share_one_client(
 ) -> None:
     """A job builds a writer, and so a volume, for every save: the second volume must not build a
     client (and open connections) again; other settings, other credentials or a factory must."""
-    from uc_checkpoint.volumes.s3 import CLIENTS
+    from uc_checkpoint.volumes.s3_client import CLIENTS
 
     first = s3_volume(s3_server, s3_bucket, "ckpt/step-1")
     assert first.list_files() == {}
@@ -606,7 +606,7 @@ def test_volumes_with_the_same_settings_share_one_client(
 def test_the_client_cache_is_bounded_and_per_process() -> None:
     import multiprocessing
 
-    from uc_checkpoint.volumes.s3 import ClientCache
+    from uc_checkpoint.volumes.s3_client import ClientCache
 
     cache = ClientCache(size=2)
     made: list[object] = []
@@ -744,7 +744,7 @@ def test_a_child_forked_while_a_client_is_built_gets_its_own(s3_server: str, s3_
     (its connections belong to the parent). Found by a fresh-clone tester."""
     import multiprocessing
 
-    from uc_checkpoint.volumes.s3 import CLIENTS
+    from uc_checkpoint.volumes.s3_client import CLIENTS
 
     volume = s3_volume(s3_server, s3_bucket, "forked")
     parents = id(volume.client)

@@ -8,8 +8,6 @@ import ast
 import copy
 import json
 import pickle
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -71,7 +69,7 @@ def test_tracker_state_round_trips_the_saved_dict() -> None:
 def test_a_state_saved_before_the_move_loads_and_resumes_the_same() -> None:
     r = DataTracker(SHARDS, seed=9, world_size=3, rank=1, num_workers=1, batch_size=2)
     r.load_global_state(copy.deepcopy(SAVED))
-    assert r.seed == 3 and r.config.seed == 3 and r.work_from_checkpoint
+    assert r.config.seed == 3 and r.work_from_checkpoint
     assert r.assignment_id == "831c906f992c7f9b"  # as computed before the move
     assert r.consumer_slices(0) == [Interval(2, 3, 6), Interval(2, 7, 11)]
 
@@ -170,9 +168,4 @@ def test_data_package_imports_only_errors_and_the_tracker_no_torch() -> None:
                     assert name == "uc_checkpoint.errors" or name.startswith("uc_checkpoint.data"), (path.name, name)
                 if name.startswith("torch"):
                     assert path.name == "loading.py", (path.name, name)
-    code = (
-        "import sys\n"
-        "import uc_checkpoint.data.tracker, uc_checkpoint.data.state, uc_checkpoint.data.intervals\n"
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=PACKAGE.parent)
+    # That importing them loads no torch, in a fresh interpreter: tests/integration/test_fresh_interpreter.py.

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.dcp.item_codec import MAX_FAST_BYTES, ItemChecksumError, ItemCodec
-from uc_checkpoint.errors import CorruptCheckpointError, rank_error
+from uc_checkpoint.dcp.item_codec import MAX_FAST_BYTES, ItemCodec
+from uc_checkpoint.errors import CorruptCheckpointError, ItemChecksumError, rank_error
 
 DTYPES = [
     torch.float32,
@@ -286,3 +286,52 @@ def test_templates_and_heads_are_built_once_per_process_and_hold_no_tensor_bytes
     assert torch.equal(torch.load(io.BytesIO(out.getvalue()), weights_only=True), small)
     template = item_codec._template_for(torch.float32, (64, small.numel() // 64))
     assert template is not None and len(template.head) + len(template.tail) < 4096 < template.size
+
+
+def test_archives_not_laid_out_as_one_stored_tensor_record_get_no_template() -> None:
+    """The zip walk behind templates and heads finds the one storage record and its CRC-32 fields;
+    an archive it cannot template is refused (then torch.save / torch.load do the work)."""
+    import warnings
+    import zipfile
+
+    from uc_checkpoint.dcp import item_codec
+
+    def storage(raw: bytes, nbytes: int = 16) -> item_codec._Record | None:
+        records = item_codec._layout_of(raw)
+        return None if records is None else item_codec._storage_record(records, nbytes)
+
+    def archive(obj: object) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    good = archive(torch.arange(4.0))
+    record = storage(good)
+    assert record is not None and good[record.start : record.start + 16] == _bits(torch.arange(4.0))
+    assert record.descriptor_crc is not None  # torch's writer puts the CRC-32 after the data
+    for at in (record.central_crc, record.descriptor_crc):
+        assert int.from_bytes(good[at : at + 4], "little") == zipfile.crc32(_bits(torch.arange(4.0)))
+
+    def rewritten(method: int, duplicate: bool = False) -> bytes:
+        src, out = zipfile.ZipFile(io.BytesIO(good)), io.BytesIO()
+        with zipfile.ZipFile(out, "w", method) as z, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the duplicate name
+            for info in src.infolist() + ([src.getinfo("archive/data/0")] if duplicate else []):
+                z.writestr(info.filename, src.read(info))
+        return out.getvalue()
+
+    stored = rewritten(zipfile.ZIP_STORED)  # no data descriptors: the CRC-32 is in the local header
+    record = storage(stored)
+    assert record is not None and record.descriptor_crc is None
+    assert stored[record.local_crc : record.local_crc + 4] == stored[record.central_crc : record.central_crc + 4]
+    assert storage(good, 8) is None  # another size
+    for refused in (
+        archive((torch.zeros(4), torch.ones(4))),  # two storages
+        rewritten(zipfile.ZIP_DEFLATED),  # compressed
+        rewritten(zipfile.ZIP_STORED, duplicate=True),
+        good[:-1],
+        good[: len(good) // 2],
+        b"not a zip archive" * 10,
+        b"",
+    ):
+        assert storage(refused) is None

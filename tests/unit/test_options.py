@@ -145,13 +145,19 @@ def test_volume_options_in_writer_or_reader_options_name_the_managers_argument()
             options.coerce({"volume_options": {"max_attempts": 3}})
 
 
-def test_the_managers_option_dicts_stay_adjustable(tmp_path) -> None:
+def test_the_managers_options_stay_adjustable(tmp_path) -> None:
     from uc_checkpoint import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "root", writer_options=WriterOptions(upload_workers=2), async_save=False)
-    assert manager.writer_options["upload_workers"] == 2
-    manager.writer_options["upload_workers"] = 3  # a dict, as before: the next save takes it
-    assert manager.writer_options["upload_workers"] == 3
+    assert manager.writer_options.upload_workers == 2
+    # Typed, and replaced whole (checked again): the next save takes it.
+    manager.writer_options = dataclasses.replace(manager.writer_options, upload_workers=3)
+    assert manager.writer_options.upload_workers == 3
+    with pytest.raises(ValueError, match="upload_workers must be >= 1"):
+        dataclasses.replace(manager.writer_options, upload_workers=0)
+    # A dict given to the manager is held as the options it stands for.
+    given = CheckpointManager(tmp_path / "root", reader_options={"download_workers": 2}, async_save=False)
+    assert given.reader_options == ReaderOptions(download_workers=2)
 
 
 @pytest.mark.parametrize("chunk", [1, 4095, (64 << 10) - 1])

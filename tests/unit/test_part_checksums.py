@@ -7,7 +7,7 @@ import base64
 import threading
 from typing import Any
 
-from uc_checkpoint.volumes.s3 import PartChecksums
+from uc_checkpoint.volumes.s3_client import PartChecksums
 
 PARTS = [(0x11111111, 10), (0x22222222, 10), (0x33333333, 3)]
 

@@ -48,13 +48,15 @@ def test_save_final_is_synchronous_without_touching_async_save(
 ) -> None:
     manager = CheckpointManager(str(tmp_path / "run"), async_save=True)
     calls: list[tuple[bool, bool]] = []
-    start = CheckpointManager._start_save
+    from uc_checkpoint.ops import inflight
 
-    def spy(self: CheckpointManager, state_dict: Any, writer: Any, group: Any, asynchronous: bool) -> Any:
-        calls.append((asynchronous, self.async_save))
-        return start(self, state_dict, writer, group, asynchronous)
+    start = inflight.start_dcp_save
 
-    monkeypatch.setattr(CheckpointManager, "_start_save", spy)
+    def spy(state_dict: Any, writer: Any, group: Any, *, asynchronous: bool, **kwargs: Any) -> Any:
+        calls.append((asynchronous, manager.async_save))
+        return start(state_dict, writer, group, asynchronous=asynchronous, **kwargs)
+
+    monkeypatch.setattr(inflight, "start_dcp_save", spy)
     manager.save(1, {"w": torch.ones(4)})
     assert manager.save_final(2, {"w": torch.full((4,), 2.0)}) is True
     assert calls == [(True, True), (False, True)]  # the final save is sync; the setting never flips

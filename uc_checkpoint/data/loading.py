@@ -39,7 +39,7 @@ loader restarts its workers at the first iterator after any load (logged).
 
 ``drop_last=True`` needs ``DataTracker(..., batch_size=<the loader's batch_size>)``: the tracker then
 cuts the work in whole batches, so an epoch drops the same ``total % batch_size`` samples however often
-it is resumed (see the tracker's module docs).
+it is resumed (see ``docs/data-tracker.md``).
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
 from uc_checkpoint.errors import DataLoadingError, TrackerStateError
 
-# The name this module logged under before it moved into uc_checkpoint.data: logging configurations
-# and log filters name it.
-logger = logging.getLogger("uc_checkpoint.data.loading")
+logger = logging.getLogger(__name__)
 
 #: ``read_shard(shard, start, end)`` yields raw samples ``start .. end - 1`` of ``shard``, in order.
 ShardReaderFn = Callable[[ShardSpec, int, int], Iterable[Any]]
@@ -150,7 +148,7 @@ class TrackedShardDataset(IterableDataset):
         self.transform = transform
         # [assignment id as int, epoch, consumed per worker...], in shared memory so that persistent
         # workers (forked or spawned) see the main process's updates.
-        self._control = torch.zeros(2 + tracker.workers_per_rank, dtype=torch.int64).share_memory_()
+        self._control = torch.zeros(2 + tracker.config.workers_per_rank, dtype=torch.int64).share_memory_()
         self.publish_progress()
 
     def publish_progress(self) -> None:
@@ -159,20 +157,20 @@ class TrackedShardDataset(IterableDataset):
         t = self.tracker
         self._control[0] = _id_to_int64(t.assignment_id)
         self._control[1] = t.epoch
-        self._control[2:] = torch.tensor([t.samples_consumed(w) for w in range(t.workers_per_rank)])
+        self._control[2:] = torch.tensor([t.samples_consumed(w) for w in range(t.config.workers_per_rank)])
 
     def __iter__(self) -> Iterator[_Tagged]:
         info = get_worker_info()
         worker = 0 if info is None else info.id
-        if info is not None and info.num_workers != self.tracker.num_workers:
+        if info is not None and info.num_workers != self.tracker.config.num_workers:
             raise DataLoadingError(
                 f"the DataLoader has num_workers={info.num_workers} but the DataTracker was built with "
-                f"num_workers={self.tracker.num_workers}"
+                f"num_workers={self.tracker.config.num_workers}"
             )
-        if info is None and self.tracker.num_workers != 0:
+        if info is None and self.tracker.config.num_workers != 0:
             raise DataLoadingError(
                 f"the DataLoader reads in the main process (num_workers=0) but the DataTracker was built "
-                f"with num_workers={self.tracker.num_workers}"
+                f"with num_workers={self.tracker.config.num_workers}"
             )
         tracker = self.tracker
         if info is not None:  # a worker's copy: catch up with the main process
@@ -194,7 +192,7 @@ class TrackedShardDataset(IterableDataset):
     def _read(self, tracker: DataTracker, worker: int) -> Iterator[_Tagged]:
         pending = 0  # raw samples read but not yet carried by a yielded item
         for iv in tracker.consumer_slices(worker):
-            shard = tracker.shards[iv.shard]
+            shard = tracker.config.shards[iv.shard]
             got = 0
             if iv.size:
                 for sample in self.read_shard(shard, iv.start, iv.end):
@@ -247,16 +245,16 @@ class TrackerStateful:
     def _gather(self) -> list[dict[str, Any]]:
         local = self.tracker.local_state()
         if not (dist.is_available() and dist.is_initialized()):
-            if self.tracker.world_size != 1:
+            if self.tracker.config.world_size != 1:
                 raise DataLoadingError(
-                    f"DataTracker has world_size={self.tracker.world_size} but torch.distributed is not "
+                    f"DataTracker has world_size={self.tracker.config.world_size} but torch.distributed is not "
                     "initialised: the data state of the other ranks cannot be gathered"
                 )
             return [local]
         size = dist.get_world_size(self.process_group)
-        if size != self.tracker.world_size:
+        if size != self.tracker.config.world_size:
             raise DataLoadingError(
-                f"DataTracker has world_size={self.tracker.world_size} but its process group has {size} "
+                f"DataTracker has world_size={self.tracker.config.world_size} but its process group has {size} "
                 "ranks (pass the data-parallel group as process_group)"
             )
         gathered: list[Any] = [None] * size
@@ -301,7 +299,7 @@ def _describe_resume(tracker: DataTracker) -> list[str]:
     lines += [
         f"data tracker: rank {r} worker {w} seeks to sample {o} of {name!r}"
         for r, w, name, o in s["seeks"]
-        if r == tracker.rank
+        if r == tracker.config.rank
     ]
     return lines
 
@@ -362,7 +360,7 @@ class _TrackedIterator:
             self._it = None
             # Every sample of this rank's slices was read: what is still unrecorded was dropped in
             # the workers after their last item (by the transform, or as drop_last's partial batch).
-            for w in range(tracker.workers_per_rank):
+            for w in range(tracker.config.workers_per_rank):
                 left = tracker.samples_left(w)
                 if left:
                     tracker.record(w, left)
@@ -433,19 +431,19 @@ class TrackedDataLoader:
             if loader_kwargs.get(banned):
                 raise TypeError(f"TrackedDataLoader does not take {banned}=: the DataTracker decides the order")
         num_workers = loader_kwargs.get("num_workers", 0)
-        if num_workers != dataset.tracker.num_workers:
+        if num_workers != dataset.tracker.config.num_workers:
             raise DataLoadingError(
                 f"num_workers={num_workers} but the DataTracker was built with num_workers="
-                f"{dataset.tracker.num_workers}: each worker is one consumer of the tracker"
+                f"{dataset.tracker.config.num_workers}: each worker is one consumer of the tracker"
             )
         batch_size = loader_kwargs.get("batch_size", 1)  # DataLoader's default
         batched = batch_size is not None
-        if loader_kwargs.get("drop_last") and batched and dataset.tracker.batch_size != batch_size:
+        if loader_kwargs.get("drop_last") and batched and dataset.tracker.config.batch_size != batch_size:
             # Every worker would drop its own partial batch, and a resume re-cuts the work into new
             # partial batches: an interrupted epoch would lose more samples than an uninterrupted one.
             raise DataLoadingError(
                 f"drop_last=True with batch_size={batch_size} needs a DataTracker built with "
-                f"batch_size={batch_size} (it has batch_size={dataset.tracker.batch_size}), so that the "
+                f"batch_size={batch_size} (it has batch_size={dataset.tracker.config.batch_size}), so that the "
                 "work is cut in whole batches and a resumed epoch drops no more samples than an "
                 "uninterrupted one; or use drop_last=False and handle the short last batch of each worker"
             )
@@ -457,7 +455,7 @@ class TrackedDataLoader:
             # Without a generator of its own a DataLoader draws its workers' base seed from torch's
             # global RNG at every new iterator, which shifts dropout etc. by where iterators happen
             # to be created: a resumed run (new iterator after the RNG was restored) would diverge.
-            loader_kwargs["generator"] = torch.Generator().manual_seed(dataset.tracker.seed)
+            loader_kwargs["generator"] = torch.Generator().manual_seed(dataset.tracker.config.seed)
         self._loader_kwargs = dict(loader_kwargs, collate_fn=_TaggingCollate(collate_fn, batched))
         self._persistent = bool(loader_kwargs.get("persistent_workers", False))
         self._loader: Any = None

@@ -1,135 +1,16 @@
 """Which data samples a training run has consumed: exactly once per epoch, across restarts that
 change the number of ranks or data-loader workers.
 
-Model
-=====
+:class:`DataTracker` (one per rank, in the training process) holds the epoch's remaining work, a list
+of :class:`Interval` of raw samples in the epoch's shard order (:func:`epoch_shard_order`), cut into
+one contiguous slice per consumer (every data-loader worker of every rank, numbered
+``rank * workers_per_rank + worker``), and how many samples of its slice each of this rank's
+consumers has consumed. :meth:`DataTracker.global_state` turns the gathered progress of all ranks
+into a state that names no rank or worker; :meth:`DataTracker.load_global_state` cuts that remaining
+work afresh for any world size and number of workers. :class:`TrackerConfig` holds the settings.
 
-A dataset is an ordered list of shards (files, objects, table partitions), each holding
-``num_samples`` raw samples numbered ``0 .. num_samples - 1``. Everything here counts *raw* samples,
-i.e. records as stored in the shard, before any filtering, tokenising or packing.
-
-* **Epoch order.** Epoch ``e`` visits the shards in the permutation :func:`epoch_shard_order` derives
-  from ``(seed, e)``. The epoch's *stream* is the concatenation, in that order, of each shard's samples
-  ``0 .. n-1``. (Shuffling samples inside a shard, if wanted, is the reader's business: the offsets
-  tracked here are positions in the order the reader reads a shard, which must be the same on resume.)
-* **Remaining work** is a list of :class:`Interval` ``(shard, start, end)`` (half-open ranges of raw
-  samples of one shard) in stream order. At the start of an epoch it is the whole stream.
-* **Consumers.** Every data-loader worker of every rank is one consumer, numbered
-  ``rank * workers_per_rank + worker`` where ``workers_per_rank = max(1, num_workers)`` (with
-  ``num_workers=0`` the rank's main process is its single consumer, worker 0). :func:`assign` cuts the
-  remaining work, in stream order, into one contiguous slice per consumer; slice sizes differ by at most
-  one sample, the first consumers getting the extra ones. (With ``DataTracker(batch_size=b)`` the cut
-  is in whole batches of ``b`` samples instead, with at most one partial batch in the whole run: see
-  ``drop_last`` below.)
-* **Progress** of a consumer is a single integer: how many samples of its slice it has consumed. A
-  consumer reads its slice in order and the training loop consumes one worker's output in the order the
-  worker produced it, so what was consumed is always a *prefix* of the slice. The rank's progress
-  (:meth:`DataTracker.local_state`) is one integer per worker.
-* **Checkpoint.** All ranks' progress is gathered and turned into the global state
-  (:meth:`DataTracker.global_state`): the remaining work (every slice minus its consumed prefix), the
-  epoch, the seed and a dataset fingerprint. It does not mention ranks or workers, so it can be loaded
-  by a run with any world size and any number of workers (:meth:`DataTracker.load_global_state`), which
-  cuts the remaining work afresh for its own consumers. Its size grows with the number of shards and
-  consumers (the remaining work is at most about ``shards + consumers`` intervals when consumers
-  progress evenly), never with the number of samples.
-
-Why this shape: per-worker or per-rank iterator snapshots (torchdata's StatefulDataLoader, HF
-``datasets``, DALI) cannot be loaded by a different topology, and a single global sample count
-(Megatron, MosaicML Streaming) is exact only when every rank consumed the same number of samples and the
-order is a function of the topology. A global remaining-work list is exact for any interleaving of
-per-consumer progress and independent of the topology that produced it.
-
-Wiring it into a training loop
-==============================
-
-One :class:`DataTracker` per rank, living in the training process::
-
-    tracker = DataTracker(shards, seed=seed, rank=rank, world_size=world, num_workers=nw)
-    if resuming:
-        tracker.load_global_state(checkpoint["data"])
-    for epoch in range(tracker.epoch, num_epochs):
-        tracker.start_epoch(epoch)       # keeps the restored progress when this is the restored epoch
-        for item in make_loader(tracker):        # a fresh iterator after every start_epoch/load
-            tracker.record(item.worker, item.raw_samples)   # when the sample is really consumed
-            ...
-            if saving:
-                local_states = all_gather_object(tracker.local_state())
-                checkpoint["data"] = tracker.global_state(local_states)   # same dict on every rank
-
-* Worker ``w`` of the loader reads ``tracker.consumer_slices(w)`` (e.g. via :func:`iter_positions`)
-  and tags what it yields with ``w`` and the number of raw samples the item covers (a sample the worker
-  filtered out is counted in the next item it yields, so that counts stay in raw samples).
-* Call :meth:`DataTracker.record` where samples are consumed by training, not where they are
-  prefetched: samples sitting in a prefetch queue at save time are not consumed and will be read again
-  after a resume, which is what exactly-once requires.
-* The loader's workers get a copy of the tracker when its iterator is created, so create a new
-  iterator after :meth:`DataTracker.start_epoch` and :meth:`DataTracker.load_global_state`: both
-  replace the work (even a reload of the very state the tracker holds resets its progress) and bump
-  :attr:`DataTracker.generation` (except the ``start_epoch`` that continues a restored epoch, which
-  changes nothing). ``TrackedDataLoader`` refuses to go on with an iterator created
-  before the bump (``DataLoadingError`` at its next batch) rather than hand out batches of the old
-  work that the tracker would record against the new one. A new iterator of the same assignment
-  starts each worker at its recorded position (what was prefetched but not consumed is read again).
-* Persistent workers (``persistent_workers=True``) are supported by ``TrackedDataLoader``: at every
-  new iterator they read the main process's epoch, assignment and progress from a shared control
-  block and follow a new epoch themselves (its work is a function of ``(seed, epoch)``); they cannot
-  follow a :meth:`DataTracker.load_global_state` (their copy lacks the loaded work and seed), so the
-  loader restarts them at the first iterator after any load (:attr:`DataTracker.load_count`). A
-  loader of your own must do the same or not keep workers across a load.
-* ``drop_last``: a loader that batches in its workers drops each worker's last partial batch; the
-  dropped samples count as consumed when the iterator ends (read zero times, like any ``drop_last``).
-  With slices cut per sample every consumer may end on a partial batch, and a resume re-cuts the work
-  into new partial batches, so an interrupted epoch would drop more than an uninterrupted one. Build
-  the tracker with ``batch_size=`` the loader's batch size: every slice but one in the whole run is
-  then whole batches, the run's consumed counts stay multiples of the batch size at every save, and
-  an epoch drops exactly ``total % batch_size`` samples (with an unchanged batch size and a transform
-  that drops nothing) however often and onto whatever topology it is resumed.
-  ``TrackedDataLoader(drop_last=True)`` refuses a tracker without it.
-* Save the global state in the same atomic checkpoint as the model: progress recorded after a save is
-  lost together with the model updates it fed, and the samples are read again after the resume.
-
-Uneven ends
-===========
-
-Slices differ by at most one sample (one batch with ``batch_size``), so when an epoch is started on a
-fresh dataset a rank gets at most ``workers_per_rank`` samples (batches) more than another; after a
-resume the remaining work is re-balanced the same way. A consumer whose slice is used up yields nothing more in this epoch
-(:meth:`DataTracker.consumer_slices` is empty, :meth:`DataTracker.rank_exhausted` turns true), while
-other ranks may still hold a few samples. Synchronous data-parallel training must not let one rank stop
-stepping while others continue (collectives would hang), so the loop has to choose one of:
-
-1. *Exactly once, padded*: ranks that ran dry take an empty or zero-weight batch (or use DDP's
-   ``Join`` context) until :meth:`DataTracker.epoch_done` reports the epoch finished on all ranks.
-2. *Lock-step stop, then drop*: all-reduce "this rank still has data" every step and stop all ranks
-   when any rank is exhausted; then :meth:`DataTracker.start_epoch` for the next epoch discards the few
-   leftover samples (a warning names how many this rank drops). Those samples are read zero times in
-   this epoch, like ``drop_last``.
-3. *Lock-step stop, then re-balance*: as in 2, but save and reload the global state (or call
-   ``load_global_state(global_state(...))`` on every rank) to spread the leftovers over all consumers
-   again; repeat until fewer samples than consumers remain, then pad or drop as in 1 or 2.
-
-Resuming and resharding
-=======================
-
-:meth:`DataTracker.load_global_state` restores the epoch and the remaining work and re-assigns it to
-*this* run's ``world_size * workers_per_rank`` consumers. The set of samples still to be read in the
-epoch is exactly the saved remaining work, whatever the old and new topologies were; which rank reads
-which of them changes when the topology changes. When the topology is unchanged and every consumer had
-consumed the same number of samples (lock-step), each consumer gets back exactly the rest of its old
-slice, so the resumed run reads what the uninterrupted run would have. Saving straight after a resume,
-several resumes in a row and a resume at an epoch boundary (empty remaining work) all go through the
-same path.
-
-The first :meth:`DataTracker.start_epoch` after a load, if it names the restored epoch, keeps the
-restored work instead of restarting the epoch: the usual ``for epoch in range(tracker.epoch, n):
-tracker.start_epoch(epoch)`` loop then resumes mid-epoch instead of replaying the epoch (a bug several
-loaders have had).
-
-Where the code is
-=================
-
-This module holds the stateful :class:`DataTracker` and its settings (:class:`TrackerConfig`); the
-arithmetic on intervals (cutting, trimming, shard orders, fingerprints) is in
+The model, its semantics (uneven ends, resumes, persistent workers, ``drop_last``) and how to wire
+it into a training loop: ``docs/data-tracker.md``. The arithmetic on intervals is in
 :mod:`uc_checkpoint.data.intervals`, the saved state's format and checks in
 :mod:`uc_checkpoint.data.state`, the DataLoader and DCP wiring in :mod:`uc_checkpoint.data.loading`.
 """
@@ -167,9 +48,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    """The settings of a :class:`DataTracker` (see its Args), checked once; ``fingerprint`` and
-    ``total_samples`` are derived from ``shards``. ``shards`` may be given as any sequence and is
-    stored as a tuple. After a load, the tracker's config carries the checkpoint's ``seed``.
+    """The settings of a :class:`DataTracker` (see its Args), checked once; ``fingerprint``
+    (:func:`dataset_fingerprint` of ``shards``) and ``total_samples`` (samples in one epoch) are
+    derived from ``shards``. ``shards`` may be given as any sequence and is stored as a tuple. After
+    a load, the tracker's config carries the checkpoint's ``seed``.
 
     Raises:
         TypeError, ValueError: a setting has the wrong type or is out of range.
@@ -216,8 +98,7 @@ class TrackerConfig:
 
 
 class _Source(enum.Enum):
-    """Where the current work came from. (One field for what were two flags, ``_restored`` and
-    ``_from_load``, whose fourth combination could not happen.)"""
+    """Where the current work came from."""
 
     EPOCH = "epoch"  # the constructor, start_epoch or a worker's sync: a function of (seed, epoch)
     LOADED = "loaded"  # load_global_state, no start_epoch since: start_epoch(its epoch) continues it
@@ -246,16 +127,11 @@ class DataTracker:
             state does not depend on it.
 
     The tracker starts at epoch 0 with the whole epoch ahead. It is not thread-safe: call it from the
-    training loop only.
+    training loop only. Settings: :attr:`config` (``tracker.config.rank``, ``.world_size``,
+    ``.workers_per_rank``, ``.seed``, ``.shards``, ``.batch_size``, ...).
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range.
-
-    (The class runs past 400 lines: its public surface, kept as it was, is 15 documented properties,
-    most delegating to :attr:`config`, and 17 documented methods; docstrings and blank lines are half
-    of it. Its code, about 220 lines, is the per-rank progress and the work split it counts against;
-    the arithmetic is in :mod:`~uc_checkpoint.data.intervals`, the state format and its checks in
-    :mod:`~uc_checkpoint.data.state`.)
     """
 
     def __init__(
@@ -299,52 +175,6 @@ class DataTracker:
     def epoch(self) -> int:
         """The current epoch."""
         return self._epoch
-
-    @property
-    def seed(self) -> int:
-        """Seed of the shard order (the checkpoint's seed after :meth:`load_global_state`)."""
-        return self._config.seed
-
-    @property
-    def shards(self) -> tuple[ShardSpec, ...]:
-        return self._config.shards
-
-    @property
-    def fingerprint(self) -> str:
-        """:func:`dataset_fingerprint` of :attr:`shards`."""
-        return self._config.fingerprint
-
-    @property
-    def rank(self) -> int:
-        return self._config.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._config.world_size
-
-    @property
-    def num_workers(self) -> int:
-        return self._config.num_workers
-
-    @property
-    def workers_per_rank(self) -> int:
-        """Consumers per rank: ``max(1, num_workers)``."""
-        return self._config.workers_per_rank
-
-    @property
-    def batch_size(self) -> int:
-        """Raw samples per batch the work is cut in (see the constructor); 1 by default."""
-        return self._config.batch_size
-
-    @property
-    def num_consumers(self) -> int:
-        """Consumers across all ranks: ``world_size * workers_per_rank``."""
-        return self._config.num_consumers
-
-    @property
-    def total_samples(self) -> int:
-        """Samples in one epoch (all shards)."""
-        return self._config.total_samples
 
     @property
     def assignment_id(self) -> str:
@@ -414,7 +244,7 @@ class DataTracker:
                 "data tracker: continuing restored epoch %d (%d samples left for rank %d)",
                 epoch,
                 self.samples_left(),
-                self.rank,
+                self._config.rank,
             )
             return
         left = self.samples_left()
@@ -423,14 +253,14 @@ class DataTracker:
         if left and (self.work_from_checkpoint or any(self._consumed)):
             logger.warning(
                 "data tracker: rank %d starts epoch %d leaving %d samples of epoch %d unread",
-                self.rank,
+                self._config.rank,
                 epoch,
                 left,
                 self._epoch,
             )
-        self._set_work(epoch, whole_epoch(self._config.shards, self.seed, epoch))
+        self._set_work(epoch, whole_epoch(self._config.shards, self._config.seed, epoch))
         self._source = _Source.EPOCH
-        logger.debug("data tracker: rank %d started epoch %d", self.rank, epoch)
+        logger.debug("data tracker: rank %d started epoch %d", self._config.rank, epoch)
 
     # ------------------------------------------------------------------ consumers
 
@@ -455,7 +285,7 @@ class DataTracker:
         left = self._slice_sizes[c] - self._consumed[worker]
         if count > left:
             raise ValueError(
-                f"record(worker={worker}, count={count}) on rank {self.rank}: only {left} samples of "
+                f"record(worker={worker}, count={count}) on rank {self._config.rank}: only {left} samples of "
                 f"its slice are left in epoch {self._epoch}"
             )
         self._consumed[worker] += count
@@ -473,12 +303,12 @@ class DataTracker:
 
     def samples_left(self, worker: int | None = None) -> int:
         """Samples consumer ``worker`` (default: all of this rank's consumers) has not consumed yet."""
-        workers = range(self.workers_per_rank) if worker is None else [worker]
+        workers = range(self._config.workers_per_rank) if worker is None else [worker]
         return sum(self._slice_sizes[self.consumer_id(w)] - self._consumed[w] for w in workers)
 
     def rank_exhausted(self) -> bool:
         """True when every consumer of this rank has consumed its whole slice (other ranks may still
-        have a few samples; see "Uneven ends" in the module docs)."""
+        have a few samples; see "Uneven ends" in ``docs/data-tracker.md``)."""
         return self.samples_left() == 0
 
     def sync_from_main_process(self, epoch: int, assignment_id: str, consumed: Sequence[int]) -> bool:
@@ -493,13 +323,13 @@ class DataTracker:
             ValueError: ``consumed`` has not one count per worker, or a count is negative.
         """
         if assignment_id != self._assignment:
-            self._set_work(epoch, whole_epoch(self._config.shards, self.seed, epoch))
+            self._set_work(epoch, whole_epoch(self._config.shards, self._config.seed, epoch))
             self._source = _Source.EPOCH
             if assignment_id != self._assignment:
                 return False
-        if len(consumed) != self.workers_per_rank:
+        if len(consumed) != self._config.workers_per_rank:
             raise ValueError(
-                f"sync_from_main_process() got {len(consumed)} consumed counts for {self.workers_per_rank} workers"
+                f"sync_from_main_process() got {len(consumed)} consumed counts for {self._config.workers_per_rank} workers"
             )
         for w, k in enumerate(consumed):
             self._consumed[w] = check_int(int(k), f"worker {w} consumed", minimum=0)
@@ -526,7 +356,7 @@ class DataTracker:
         all ranks describe the same assignment.
         """
         return {
-            "rank": self.rank,
+            "rank": self._config.rank,
             "consumed": list(self._consumed),
             "epoch": self._epoch,
             "assignment": self._assignment,
@@ -535,8 +365,8 @@ class DataTracker:
     def _merge(self, local_states: Sequence[dict[str, Any]]) -> list[int]:
         return merge_local_states(
             local_states,
-            world_size=self.world_size,
-            workers_per_rank=self.workers_per_rank,
+            world_size=self._config.world_size,
+            workers_per_rank=self._config.workers_per_rank,
             epoch=self._epoch,
             assignment=self._assignment,
             slice_sizes=self._slice_sizes,
@@ -593,7 +423,7 @@ class DataTracker:
             TrackerStateError: a gathered local state is malformed or from another assignment.
         """
         if local_states is None:
-            if self.world_size != 1:
+            if self._config.world_size != 1:
                 raise ValueError(
                     "epoch_done() needs the gathered local states of all ranks when world_size > 1 "
                     "(use rank_exhausted() for this rank alone)"
@@ -624,16 +454,16 @@ class DataTracker:
                 the dataset. The message names the field (see :class:`~uc_checkpoint.data.state.TrackerState`).
         """
         loaded = TrackerState.from_dict(state)
-        if loaded.fingerprint == self.fingerprint:
-            loaded.check_fits(self.shards)
+        if loaded.fingerprint == self._config.fingerprint:
+            loaded.check_fits(self._config.shards)
             remaining = list(loaded.remaining)
         else:
             remaining = self._remap_changed_dataset(loaded)
-        if loaded.seed != self.seed:
+        if loaded.seed != self._config.seed:
             logger.warning(
                 "data tracker: the checkpoint's shard-order seed %d replaces the configured seed %d",
                 loaded.seed,
-                self.seed,
+                self._config.seed,
             )
             self._config = dataclasses.replace(self._config, seed=loaded.seed)
         self._set_work(loaded.epoch, remaining)
@@ -641,22 +471,22 @@ class DataTracker:
         self._load_count += 1
         logger.info(
             "data tracker: rank %d restored epoch %d, %d samples remaining, split over %d consumers (%d for this rank)",
-            self.rank,
+            self._config.rank,
             loaded.epoch,
             total_size(self._base),
-            self.num_consumers,
+            self._config.num_consumers,
             self.samples_left(),
         )
 
     def _remap_changed_dataset(self, loaded: TrackerState) -> list[Interval]:
         """The remaining work of a state saved for another dataset, carried over to this one."""
-        diff = loaded.describe_difference(self.shards)
+        diff = loaded.describe_difference(self._config.shards)
         if not self._config.allow_dataset_change:
             raise DatasetMismatchError(
                 f"the data state was saved for a different dataset: {diff}. Pass "
                 "allow_dataset_change=True to continue with the remaining work that still fits."
             )
-        remaining, dropped = remap_to_dataset(loaded.remaining, loaded.shards, self.shards)
+        remaining, dropped = remap_to_dataset(loaded.remaining, loaded.shards, self._config.shards)
         logger.warning(
             "data tracker: dataset changed since the checkpoint (%s); continuing epoch %d with the "
             "saved remaining work: %d samples dropped (shards removed or shrunk), %d kept; shards and "

@@ -1,9 +1,10 @@
 """DCP's per-tensor item format (one ``torch.save`` archive per item), written and read fast.
 
 A DCP data file holds each tensor item as a complete ``torch.save`` zip archive, so stock readers
-can ``torch.load`` it. That costs ~130 us per save and ~170 us per ``torch.load`` (weights_only) on
-this machine, whatever the tensor's size: for a checkpoint of many small tensors it is most of the
-time (16,384 tensors of 16 KiB: ~2 s to serialise, ~3 s to deserialise).
+can ``torch.load`` it. Each ``torch.save`` and ``torch.load`` costs the same pickling and zip
+bookkeeping whatever the tensor's size, so for a checkpoint of many small tensors that fixed cost is
+most of the time (``benchmarks/test_item_codec_speed.py`` measures it; the per-tensor cost of a
+whole save and load: docs/benchmarks.md, "Scale").
 
 :class:`ItemCodec` produces and parses the same archives without going through pickle for every
 item. For each (dtype, shape) it asks ``torch.save`` once for the archive of a zero tensor (the
@@ -16,8 +17,9 @@ byte and the record's CRC-32 matches; anything else (large tensors, views with o
 quantized tensors, archives from other writers or torch versions) goes through ``torch.save`` /
 ``torch.load`` as before. Those larger items are written by torch's own zip writer with its
 per-record CRC-32 switched off (:func:`uc_checkpoint.dcp.compat.save_without_zip_crc`): torch.load
-never checks it, our manifest's block CRC-32s cover every byte, and computing it was ~15% of a save's
-CPU. The output stays a valid ``torch.save`` archive that DCP's ``FileSystemReader`` loads.
+never checks it, our manifest's block CRC-32s cover every byte, and computing it over every tensor
+byte costs CPU for nothing. The output stays a valid ``torch.save`` archive that DCP's
+``FileSystemReader`` loads.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import logging
 import math
 import mmap
 import struct
+import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 
 from uc_checkpoint.dcp.compat import save_without_zip_crc
-from uc_checkpoint.errors import ItemChecksumError  # re-exported: its home before it joined the hierarchy
+from uc_checkpoint.errors import ItemChecksumError
 from uc_checkpoint.format.integrity import crc32
 
 logger = logging.getLogger(__name__)
@@ -44,13 +47,8 @@ logger = logging.getLogger(__name__)
 MAX_FAST_BYTES = 256 << 10
 #: Templates and heads kept per process, each for one (dtype, shape): a few hundred bytes each
 #: (the archive around the tensor, not the tensor). Every save and load of a job asks for the same
-#: ones; building one costs ~0.5 ms (a torch.save and a torch.load).
+#: ones, and building one takes a torch.save and a torch.load.
 CACHED_LAYOUTS = 4096
-
-_LOCAL_HEADER = 0x04034B50
-_CENTRAL_HEADER = 0x02014B50
-_DESCRIPTOR = 0x08074B50
-_END_OF_CENTRAL_DIR = 0x06054B50
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ class _Template:
     head: bytes  # everything before the storage record
     nbytes: int  # the storage record (the tensor's bytes)
     tail: bytes  # everything after it
-    crc_offsets: tuple[int, ...]  # where the storage record's CRC-32 is kept (descriptor, central dir)
+    crc_offsets: tuple[int, ...]  # the storage record's CRC-32 fields, the central directory's first
 
     @property
     def data_start(self) -> int:
@@ -82,43 +80,74 @@ class _Template:
         return len(view) == self.size and view[: self.data_start] == self.head
 
 
-def _storage_layout(raw: Any, nbytes: int) -> tuple[int, int, tuple[int, ...]] | None:
-    """Locate the one storage record ("<archive>/data/0") of a single-tensor torch.save archive:
-    (data start, data end, offsets of its CRC-32 fields), or None when the archive is not laid out
-    as expected (then the template is not used)."""
-    eocd = raw.rfind(struct.pack("<I", _END_OF_CENTRAL_DIR))
-    if eocd < 0 or eocd + 22 > len(raw):
+class _Record(NamedTuple):
+    """One record of a zip archive, and where its bytes and CRC-32 fields lie (offsets into it)."""
+
+    info: zipfile.ZipInfo  # its central-directory entry as zipfile read it: name, sizes, compression
+    start: int  # its bytes are [start, start + info.compress_size)
+    local_crc: int  # the CRC-32 field of its local header
+    descriptor_crc: int | None  # that of the data descriptor after its bytes, if it has one
+    central_crc: int  # that of its central-directory entry
+
+
+#: General-purpose flag bit 3: the record's CRC-32 and sizes follow its bytes, in a data descriptor.
+_HAS_DESCRIPTOR = 0x08
+
+
+def _layout_of(raw: Any) -> list[_Record] | None:
+    """The records of the zip archive ``raw`` (bytes, or an mmap read in place), in the central
+    directory's order; None when ``zipfile`` cannot read it, when it is a ZIP64 archive (4 GiB or
+    more: never templated, so left to ``torch.load``), or when a record's headers are not where the
+    central directory says."""
+    if len(raw) >= 0xFFFFFFFF:
         return None
-    n_entries, cd_size, cd_offset = struct.unpack_from("<HII", raw, eocd + 10)
-    pos, found = cd_offset, None
-    for _ in range(n_entries):
-        if pos + 46 > len(raw) or struct.unpack_from("<I", raw, pos)[0] != _CENTRAL_HEADER:
+    try:
+        # An mmap is read in place: it has the seek, tell and read zipfile needs.
+        stream = cast(IO[bytes], raw) if isinstance(raw, mmap.mmap) else io.BytesIO(raw)
+        with zipfile.ZipFile(stream) as archive:
+            infos, central = archive.infolist(), archive.start_dir
+    except (zipfile.BadZipFile, NotImplementedError, ValueError):
+        return None
+    records = []
+    for info in infos:
+        local = info.header_offset
+        if (
+            raw[central : central + 4] != b"PK\x01\x02"
+            or raw[local : local + 4] != b"PK\x03\x04"
+            or max(central + 46, local + 30) > len(raw)
+            or struct.unpack_from("<I", raw, central + 16)[0] != info.CRC
+        ):
             return None
-        flags, method = struct.unpack_from("<HH", raw, pos + 8)
-        csize, usize, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", raw, pos + 20)
-        local = struct.unpack_from("<I", raw, pos + 42)[0]
-        name = raw[pos + 46 : pos + 46 + name_len]
-        if name.endswith(b"/data/0"):
-            if found is not None or method != 0 or csize != nbytes or usize != nbytes:
+        # The local header's name and extra field can differ in length from the central entry's.
+        name_len, extra_len = struct.unpack_from("<HH", raw, local + 26)
+        start = local + 30 + name_len + extra_len
+        descriptor = None
+        if info.flag_bits & _HAS_DESCRIPTOR:
+            end = start + info.compress_size
+            descriptor = end + 4 if raw[end : end + 4] == b"PK\x07\x08" else end  # its signature is optional
+            if descriptor + 4 > len(raw):
                 return None
-            found = (pos + 16, flags, local)
-        elif b"/data/" in name and not name.endswith(b"/.data/serialization_id"):
-            return None  # more than one storage: not a plain tensor
-        pos += 46 + name_len + extra_len + comment_len
-    if found is None:
-        return None
-    cd_crc, flags, local = found
-    if struct.unpack_from("<I", raw, local)[0] != _LOCAL_HEADER:
-        return None
-    name_len, extra_len = struct.unpack_from("<HH", raw, local + 26)
-    start = local + 30 + name_len + extra_len
-    end = start + nbytes
-    crcs = [cd_crc]
-    if flags & 0x8:  # a data descriptor follows the data, its signature optional
-        crcs.append(end + 4 if struct.unpack_from("<I", raw, end)[0] == _DESCRIPTOR else end)
-    else:
-        crcs.append(local + 14)
-    return start, end, tuple(crcs)
+        records.append(_Record(info, start, local + 14, descriptor, central + 16))
+        # The next entry follows this one's name, extra field and comment.
+        central += 46 + sum(struct.unpack_from("<HHH", raw, central + 28))
+    return records
+
+
+def _storage_record(records: list[_Record], nbytes: int) -> _Record | None:
+    """The one storage record (``<archive>/data/0``) of a single-tensor torch.save archive whose
+    tensor has ``nbytes`` bytes; None when there is another storage (not a plain tensor) or the
+    record is missing, repeated, compressed or of another size (then the archive is not templated)."""
+    found = None
+    for record in records:
+        info, name = record.info, record.info.orig_filename
+        if name.endswith("/data/0"):
+            stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size == nbytes
+            if found is not None or not stored:
+                return None
+            found = record
+        elif "/data/" in name and not name.endswith("/.data/serialization_id"):
+            return None
+    return found
 
 
 @dataclass(frozen=True)
@@ -171,25 +200,6 @@ class _SparseSink:
 
     def flush(self) -> None:
         pass
-
-
-def _crc_fields(raw: Any) -> list[int]:
-    """Offsets of every member's CRC-32 field in the local headers and data descriptors of the zip
-    archive ``raw`` (torch's writer leaves them 0 when it skips CRCs; other writers fill them)."""
-    eocd = raw.rfind(struct.pack("<I", _END_OF_CENTRAL_DIR))
-    n_entries, _, pos = struct.unpack_from("<HII", raw, eocd + 10)
-    out = []
-    for _ in range(n_entries):
-        flags = struct.unpack_from("<H", raw, pos + 8)[0]
-        csize, _, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", raw, pos + 20)
-        local = struct.unpack_from("<I", raw, pos + 42)[0]
-        out.append(local + 14)
-        if flags & 0x8:
-            lname, lextra = struct.unpack_from("<HH", raw, local + 26)
-            end = local + 30 + lname + lextra + csize
-            out.append(end + 4 if struct.unpack_from("<I", raw, end)[0] == _DESCRIPTOR else end)
-        pos += 46 + name_len + extra_len + comment_len
-    return out
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -245,12 +255,16 @@ def _template_for(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template | Non
     buf = io.BytesIO()
     torch.save(zero, buf)
     raw = buf.getvalue()
-    layout = _storage_layout(raw, nbytes)
-    if layout is None:
+    records = _layout_of(raw)
+    record = None if records is None else _storage_record(records, nbytes)
+    if record is None:
         logger.debug("no fast item template for %s %s: unexpected archive layout", dtype, shape)
         return None
-    start, end, crc_offsets = layout
-    template = _Template(raw[:start], end - start, raw[end:], crc_offsets)
+    start, end = record.start, record.start + nbytes
+    # The CRC-32 in the central directory, and in the data descriptor if there is one (then the
+    # local header's is not used) or else in the local header.
+    after = record.descriptor_crc if record.descriptor_crc is not None else record.local_crc
+    template = _Template(raw[:start], nbytes, raw[end:], (record.central_crc, after))
     # Trust the template only once torch.load reads back, bit for bit, an item built from it.
     # Bytes that differ from their neighbours (0/1 for bool, whose other byte values are not
     # booleans), built in uint8 so a probe costs no more memory than the tensor.
@@ -292,12 +306,16 @@ def _head_for(dtype: torch.dtype, shape: tuple[int, ...]) -> _Head | None:
     with mmap.mmap(-1, max(sink.size, 1)) as raw:
         for pos, part in sink.parts:
             raw[pos : pos + len(part)] = part
-        layout = _storage_layout(raw, nbytes)
-        if layout is None:
+        records = _layout_of(raw)
+        record = None if records is None else _storage_record(records, nbytes)
+        if records is None or record is None:
             logger.debug("no fast item head for %s %s: unexpected archive layout", dtype, shape)
             return None
-        start, end, _ = layout
-        return _Head(raw[:start], end, tuple(sorted(c for c in _crc_fields(raw) if c + 4 <= start)))
+        start = record.start
+        # Every CRC-32 field before the tensor bytes: torch's writer leaves them 0 when it skips
+        # CRCs, other writers fill them, so a head is compared around them.
+        fields = (at for r in records for at in (r.local_crc, r.descriptor_crc) if at is not None and at + 4 <= start)
+        return _Head(raw[:start], start + nbytes, tuple(sorted(fields)))
 
 
 class ItemCodec:
@@ -333,11 +351,10 @@ class ItemCodec:
     # ---- decoding ---------------------------------------------------------------------------
     def decode_into(self, data: memoryview | bytes, target: torch.Tensor) -> bool:
         """Copy the tensor of the item archive ``data`` straight into ``target`` (one copy, where
-        ``torch.load`` and ``copy_`` make two and allocate a tensor in between: ~15 ms against ~1.5
-        ms per 16 MiB here). True when done; False when ``target`` is not a plain contiguous CPU
-        tensor or ``data`` is not the archive ``torch.save`` makes of a tensor of ``target``'s dtype
-        and shape, byte for byte up to its tensor bytes (then nothing was written: use
-        :meth:`decode` or ``torch.load``).
+        ``torch.load`` and ``copy_`` make two and allocate a tensor in between). True when done;
+        False when ``target`` is not a plain contiguous CPU tensor or ``data`` is not the archive
+        ``torch.save`` makes of a tensor of ``target``'s dtype and shape, byte for byte up to its
+        tensor bytes (then nothing was written: use :meth:`decode` or ``torch.load``).
 
         The archive's own CRC-32 is not checked here; callers use this only where the manifest's
         block checksums already covered ``data``.

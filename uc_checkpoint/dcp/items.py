@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from uc_checkpoint.dcp import extensions
 from uc_checkpoint.dcp.compat import _StorageInfo, narrow_tensor_by_index
-from uc_checkpoint.dcp.item_codec import ItemChecksumError, ItemCodec
-from uc_checkpoint.errors import CorruptCheckpointError, UCCheckpointError
+from uc_checkpoint.dcp.item_codec import ItemCodec
+from uc_checkpoint.errors import CorruptCheckpointError, ItemChecksumError, UCCheckpointError
 from uc_checkpoint.volumes import Volume
 
 #: (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item of a checkpoint holds.

@@ -2,36 +2,28 @@
 
 DCP's own blocking stager (``FileSystemWriter.stage``, torch 2.6-2.14) copies a DTensor's data
 twice: ``copy.deepcopy`` (or ``.to("cpu")`` for an accelerator tensor) clones the shard, then the
-clone is replaced by an empty tensor and the shard is copied again. For a sharded model that is
-most of the time ``async_save`` blocks training (2 ranks, 242 MiB GPT + AdamW: 0.24 s blocked vs
-0.064 s for one copy; docs/benchmarks.md). :func:`cpu_snapshot` allocates each destination once
-and copies once, into pinned memory for accelerator tensors (then one synchronisation per device),
-so the snapshot costs what a plain copy costs. Tensors big enough for torch to copy on several
-OpenMP threads are copied by threads of our own instead (:class:`_CopyThreads`): with OpenMP, torch's
-pool threads keep spinning on their cores for milliseconds after the copy, which delays the thread
-``dcp.async_save`` starts next, and with it the moment training gets back (measured: 0-2.5 ms on a
-32 MiB snapshot, every other save).
+clone is replaced by an empty tensor and the shard is copied again; for a sharded model that is
+most of the time ``async_save`` blocks training. :func:`cpu_snapshot` allocates each destination
+once and copies once, into pinned memory for accelerator tensors (then one synchronisation per
+device), so the snapshot costs what a plain copy costs. Big CPU tensors are copied on threads of our
+own (:mod:`uc_checkpoint.dcp.parallel_copy`).
 
 :class:`BackgroundStager` takes the same snapshot in a thread of its own, so that ``async_save``
 returns at once and training is blocked only by the walk that records every tensor's version
 (``dcp.async_save(..., async_stager=BackgroundStager())``; the caller waits for the response's
-``staging_completion`` before changing any tensor in place). Measured beside DCP's ``DefaultStager``
-in ``benchmarks/staging.py``: both block for a few milliseconds; ours completes its copy in about
-a clone's time also for thousands of small tensors, where DefaultStager's deepcopy takes 2-3x.
+``staging_completion`` before changing any tensor in place).
+
+Figures, against DCP's stagers (the ``uc`` and ``uc-async`` rows against the ``dcp-*`` ones):
+docs/benchmarks-staging.md; those behind this module's choices are in its "Figures behind the
+snapshot walk".
 """
 
 from __future__ import annotations
 
-import _thread
 import copy
-import ctypes
-import functools
 import io
-import itertools
 import logging
-import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,7 +31,8 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from uc_checkpoint.dcp.buffers import BufferLease
-from uc_checkpoint.dcp.compat import copy_tensors, dtensor_like, dtensor_local
+from uc_checkpoint.dcp.compat import dtensor_like, dtensor_local, tensor_version
+from uc_checkpoint.dcp.parallel_copy import CopyThreads
 from uc_checkpoint.errors import StateChangedWhileStagingError
 
 logger = logging.getLogger(__name__)
@@ -82,7 +75,7 @@ def cpu_snapshot(state_dict: Any, buffers: BufferLease | None = None) -> Any:
     """
     memo: dict[int, Any] = {}
     devices: set[torch.device] = set()
-    copies = _CopyThreads(buffers)
+    copies = CopyThreads(buffers)
     try:
         out = _snapshot(state_dict, memo, devices, copies)
         copies.run()
@@ -96,19 +89,12 @@ def cpu_snapshot(state_dict: Any, buffers: BufferLease | None = None) -> Any:
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
-_CONTIGUOUS = torch.contiguous_format
-#: Tensors of at least this many elements are left to :class:`_CopyThreads`; torch copies smaller
-#: ones on the calling thread alone anyway (ATen's ``GRAIN_SIZE``), so they are cloned in the walk.
-_THREADED_MIN_NUMEL = 32768
-#: Bytes each copy thread gets at least: starting a thread costs ~0.1 ms, copying 4 MiB into new
-#: memory ~1 ms here.
-_BYTES_PER_COPY_THREAD = 4 << 20
 
 
-def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device], copies: _CopyThreads) -> Any:
+def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device], copies: CopyThreads) -> Any:
     # The common case first and with the fewest checks: a model of many small tensors spends more
-    # of its staging time in Python per tensor than in copying (5,000 tensors of 4-64 KiB: 1.5x a
-    # clone with the general path below, 1.1x with this one; benchmarks/staging.py).
+    # of its staging time in Python per tensor than in copying (docs/benchmarks-staging.md, "Figures
+    # behind the snapshot walk").
     if type(obj) is _Tensor and obj.is_cpu and obj.layout is _STRIDED:
         key = id(obj)
         out = memo.get(key)
@@ -136,11 +122,10 @@ def _snapshot(obj: Any, memo: dict[int, Any], devices: set[torch.device], copies
 
 
 def _snapshot_dict(
-    obj: dict[Any, Any], memo: dict[int, Any], devices: set[torch.device], copies: _CopyThreads
+    obj: dict[Any, Any], memo: dict[int, Any], devices: set[torch.device], copies: CopyThreads
 ) -> dict[Any, Any]:
-    # _snapshot's tensor fast path repeated inline: a call per value was a third of the Python
-    # time per small tensor (benchmarks/staging.py's 5,000 tensors of 4-64 KiB, memory already
-    # mapped: 1.11x a clone of each with a call per value, 1.07x inline).
+    # _snapshot's tensor fast path repeated inline, saving a call per small tensor
+    # (docs/benchmarks-staging.md, "Figures behind the snapshot walk").
     out = {}
     for k, v in obj.items():
         if type(v) is _Tensor and v.is_cpu and v.layout is _STRIDED:
@@ -154,7 +139,7 @@ def _snapshot_dict(
     return out
 
 
-def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device], copies: _CopyThreads) -> torch.Tensor:
+def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device], copies: CopyThreads) -> torch.Tensor:
     if DTensor is not None and type(t) is DTensor:
         # Same mesh, placements and global shape/stride: DCP plans the save from the spec.
         return dtensor_like(_copy_plain(dtensor_local(t), devices, copies), t)
@@ -165,7 +150,7 @@ def _snapshot_tensor(t: torch.Tensor, devices: set[torch.device], copies: _CopyT
     return _copy_plain(t, devices, copies)
 
 
-def _copy_plain(t: torch.Tensor, devices: set[torch.device], copies: _CopyThreads) -> torch.Tensor:
+def _copy_plain(t: torch.Tensor, devices: set[torch.device], copies: CopyThreads) -> torch.Tensor:
     if t.is_cpu:
         return copies.clone(t.detach())
     pin = t.device.type == "cuda" and torch.cuda.is_available()
@@ -181,219 +166,16 @@ def _copy_plain(t: torch.Tensor, devices: set[torch.device], copies: _CopyThread
     return out
 
 
-@functools.cache
-def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch's CPU kernels run on, for setting one thread's OpenMP thread count
-    (``omp_set_num_threads`` sets it for the calling thread only, unlike ``torch.set_num_threads``,
-    which also changes every other thread's and clears oneDNN's primitive cache). None when torch
-    does not use OpenMP or the runtime cannot be found (then :class:`_CopyThreads` leaves every copy
-    to torch). Cached: which runtime the process loaded does not change."""
-    if not torch.backends.openmp.is_available():
-        return None
-    torch.get_num_threads()  # ATen's per-thread OpenMP set-up first, or it undoes the probe below
-    for name in _loaded_openmp_libraries():
-        try:
-            # RTLD_NOLOAD: only a runtime this process has loaded already (no second copy).
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
-            lib.omp_get_max_threads.restype = ctypes.c_int
-            before = lib.omp_get_max_threads()
-            lib.omp_set_num_threads(1)
-            # torch reads this thread's OpenMP setting: is this the runtime it runs on?
-            found = torch.get_num_threads() == 1
-            lib.omp_set_num_threads(before)
-        except (OSError, AttributeError):
-            continue
-        if found:
-            return lib
-    return None
-
-
-#: The OpenMP runtimes' usual names (GNU, LLVM, Intel), tried before the process's mappings are read.
-_OPENMP_NAMES = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so")
-
-
-def _loaded_openmp_libraries() -> Iterator[str]:
-    """Names to open the loaded OpenMP runtime by: the usual sonames, then (read only if none of
-    those is the one) the paths of every mapped ``libgomp``/``libomp``/``libiomp``, as a wheel may
-    bundle one under another name."""
-    yield from _OPENMP_NAMES
-    try:
-        with open(f"/proc/{os.getpid()}/maps", encoding="utf-8", errors="replace") as f:
-            paths = {line.split(None, 5)[-1].strip() for line in f if "omp" in line}
-    except OSError:  # not Linux: the sonames only
-        return
-    yield from sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libomp", "libiomp")))
-
-
-class _CopyThreads:
-    """The copies of one snapshot that torch would split over OpenMP threads, made on threads of
-    our own instead, each with OpenMP at one thread: the calling thread and up to
-    ``torch.get_num_threads() - 1`` helpers (one per :data:`_BYTES_PER_COPY_THREAD` queued), which
-    end with the copy. The threads take pieces of at most :data:`_COPY_PIECE_BYTES` from one list
-    until none is left (a thread that started later or faults more slowly takes fewer), so the copy
-    takes about what torch's own takes, but no OpenMP thread is left spinning afterwards.
-
-    :meth:`clone` allocates a tensor's copy and, for a big contiguous tensor, queues the copy;
-    :meth:`run` makes the queued copies. Without an OpenMP runtime to set (:func:`_openmp`), or with
-    one thread, :meth:`clone` copies at once, as ``Tensor.clone`` does."""
-
-    def __init__(self, buffers: BufferLease | None = None) -> None:
-        self.buffers = buffers
-        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._bytes = 0
-        self._threads = torch.get_num_threads()
-        self._omp = _openmp() if self._threads > 1 else None
-
-    def clone(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous CPU copy of CPU tensor ``t`` (its bytes copied by :meth:`run` when queued),
-        into a kept tensor when the lease offers one that fits."""
-        if self.buffers is not None:
-            return self._into_kept(t, self.buffers)
-        if self._inline(t):
-            # clone (under no_grad: no autograd history) allocates and copies in one dispatch;
-            # empty + copy_ + detach is three, ~1.5x the time for a 16 KiB tensor.
-            return t.clone(memory_format=_CONTIGUOUS)
-        return self._queue(t, torch.empty_like(t, memory_format=_CONTIGUOUS))
-
-    def _into_kept(self, t: torch.Tensor, lease: BufferLease) -> torch.Tensor:
-        if t.is_quantized or t.is_conj() or t.is_neg():
-            return t.clone(memory_format=_CONTIGUOUS)  # rare; copied as they are, never kept
-        inline = self._inline(t)
-        out = lease.take(t, False)
-        if out is None:
-            out = t.clone(memory_format=_CONTIGUOUS) if inline else torch.empty_like(t, memory_format=_CONTIGUOUS)
-            lease.keep(out, False)
-            return out if inline else self._queue(t, out)
-        if inline:
-            out.copy_(t)
-            return out
-        return self._queue(t, out, mapped=True)
-
-    def _queue(self, t: torch.Tensor, out: torch.Tensor, mapped: bool = False) -> torch.Tensor:
-        self._queued.append((t, out))
-        if not mapped:
-            # Only copies into new memory count towards helpers: they are bound by page faults,
-            # which threads share out; a copy into mapped memory is bound by memory bandwidth,
-            # and a helper there cost more than it gave (32 tensors, 64 MiB: 5.0 ms with one,
-            # 4.2 on the calling thread alone).
-            self._bytes += t.numel() * t.element_size()
-        return out
-
-    def _inline(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is copied at once on this thread (small, strided, or no OpenMP to set)."""
-        return (
-            self._omp is None
-            or t.numel() < _THREADED_MIN_NUMEL
-            or not t.is_contiguous()
-            or t.is_quantized
-            or t.is_conj()
-            or t.is_neg()
-        )
-
-    def run(self) -> None:
-        """Make the queued copies; raises what a copy raised."""
-        if not self._queued:
-            return
-        omp = self._omp
-        assert omp is not None
-        pieces, self._queued = _pieces(self._queued, _COPY_PIECE_BYTES), []
-        helpers = max(0, min(self._threads, self._bytes // _BYTES_PER_COPY_THREAD, len(pieces)) - 1)
-        work = _CopyWork(pieces, omp)
-        done = [threading.Lock() for _ in range(helpers)]
-        for lock in done:
-            lock.acquire()
-            # The low-level start: threading.Thread.start waits until the new thread runs (0.2-0.8
-            # ms here), time this thread spends copying instead; each helper releases its lock last.
-            try:
-                _thread.start_new_thread(work.copy, (lock,))
-            except RuntimeError:  # no thread to be had (limits, interpreter exit): the others copy its share
-                lock.release()
-        work.copy(None)
-        for lock in done:
-            lock.acquire()
-        if work.errors:
-            raise work.errors[0]
-
-
-#: Most bytes one copy thread takes at a time (a bigger tensor is cut into flat views; smaller ones
-#: go together, copied in one call).
-_COPY_PIECE_BYTES = 2 << 20
-
-_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _pieces(pairs: _Pairs, piece_bytes: int) -> list[_Pairs]:
-    """(source, destination) pairs of contiguous tensors in pieces of at most ``piece_bytes``:
-    a bigger tensor cut into flat views of that size, smaller ones together, biggest tensors first
-    (the last pieces taken are small ones)."""
-    out: list[_Pairs] = []
-    batch: _Pairs = []
-    room = 0
-    for src, dst in sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size()):
-        count, size = src.numel(), src.element_size()
-        if count * size > piece_bytes:
-            step = max(1, piece_bytes // size)
-            flat_src, flat_dst = src.reshape(-1), dst.view(-1)
-            out.extend([(flat_src[i : i + step], flat_dst[i : i + step])] for i in range(0, count, step))
-            continue
-        if count * size > room:
-            batch, room = [], piece_bytes
-            out.append(batch)
-        batch.append((src, dst))
-        room -= count * size
-    return out
-
-
-class _CopyWork:
-    """Pieces to copy, taken in order by whichever thread is free (a counter: ``next`` on it is
-    atomic under the GIL), and the errors the threads met."""
-
-    def __init__(self, pieces: list[_Pairs], omp: ctypes.CDLL) -> None:
-        self.pieces = pieces
-        self.omp = omp
-        self.errors: list[BaseException] = []
-        self._next = itertools.count()
-
-    def copy(self, done: threading.Lock | None) -> None:
-        """Copy pieces on this thread until none is left, OpenMP at one thread for this thread
-        meanwhile (torch then copies without a parallel region); then release ``done``."""
-        try:
-            torch.get_num_threads()  # ATen's per-thread OpenMP set-up first: it would undo ours
-            before = self.omp.omp_get_max_threads()
-            self.omp.omp_set_num_threads(1)
-            try:
-                with torch.no_grad():  # grad mode is per thread: no autograd history on a helper
-                    for i in self._next:
-                        if i >= len(self.pieces) or self.errors:
-                            break
-                        _copy_piece(self.pieces[i])
-            finally:
-                self.omp.omp_set_num_threads(before)
-        except BaseException as exc:  # noqa: BLE001 - raised on the calling thread by _CopyThreads.run
-            self.errors.append(exc)
-        finally:
-            if done is not None:
-                done.release()
-
-
-def _copy_piece(piece: _Pairs) -> None:
-    """Copy one piece's pairs in one call (the GIL released once for all of them)."""
-    if len(piece) == 1:
-        piece[0][1].copy_(piece[0][0])
-    else:
-        copy_tensors([dst for _, dst in piece], [src for src, _ in piece])
-
-
 def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
     """Every tensor of a (nested) state dict with its version counter (which each in-place op, an
     optimizer step included, increments). Inference tensors have none and are left out."""
     if type(obj) is torch.Tensor:  # the common case first: this walk is what training waits for
         if not obj.is_inference():
-            out.append((obj, obj._version))
+            out.append((obj, tensor_version(obj)))
     elif isinstance(obj, torch.Tensor):
         t = dtensor_local(obj) if DTensor is not None and type(obj) is DTensor else obj
         if not t.is_inference():
-            out.append((t, t._version))
+            out.append((t, tensor_version(t)))
     elif isinstance(obj, dict):
         for v in obj.values():
             _versions(v, out)
@@ -406,8 +188,8 @@ def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> list[tuple[torch
 class BackgroundStager(AsyncStager):
     """An ``AsyncStager`` for ``dcp.async_save`` that takes :func:`cpu_snapshot` in a thread of its
     own: ``async_save`` returns after one walk over the state dict (recording each tensor's version
-    counter: ~0.4 us a tensor), and returns an ``AsyncSaveResponse`` whose ``staging_completion``
-    completes when the copy is done::
+    counter), and returns an ``AsyncSaveResponse`` whose ``staging_completion`` completes when the
+    copy is done::
 
         response = dcp.async_save(state, storage_writer=UCVolumeWriter(url), async_stager=BackgroundStager())
         ...                                     # forward / backward: nothing may change the state
@@ -439,7 +221,7 @@ class BackgroundStager(AsyncStager):
         fut: Future[dict[str, Any]] = Future()
         fut.set_running_or_notify_cancel()
         # Not a daemon: an interpreter exit right after async_save lets the copy finish (the save
-        # waits for it, and the exit waits for the save: uc_checkpoint.dcp.exit_guard).
+        # waits for it, and Python's exit joins DCP's save thread: uc_checkpoint.dcp.handover).
         threading.Thread(
             target=_stage_into, args=(state_dict, versions, fut), name="uc-checkpoint-staging", daemon=False
         ).start()
@@ -463,7 +245,7 @@ def _stage_into(state_dict: dict[str, Any], versions: list[tuple[torch.Tensor, i
                 staged = stager.stage(state_dict)
             finally:
                 stager.close()
-        changed = sum(1 for t, v in versions if t._version != v)
+        changed = sum(1 for t, v in versions if tensor_version(t) != v)
         if changed:
             raise StateChangedWhileStagingError(
                 f"{changed} of {len(versions)} tensors of the state were changed in place while they were "

@@ -15,19 +15,29 @@ lists the location it is about to pick anyway. No file shared between runs is ev
 mounts cannot replace files). Loading an abandoned step explicitly and saving from it takes it back
 (its marker is removed): a rollback can itself be rolled back.
 
-Everything here but :func:`abandonment_marker` / :func:`marker_applies` is a pure function.
+:func:`mark_rollback` is what the manager's first save runs (on rank 0); everything else here
+but :func:`abandonment_marker` / :func:`marker_applies` is a pure function.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError
+from uc_checkpoint.format.layout import ABANDONED_NAME
 from uc_checkpoint.ops.retention import steps_to_delete
+
+if TYPE_CHECKING:
+    from uc_checkpoint.ops.catalog import CheckpointInfo
+    from uc_checkpoint.volumes import Volume
+
+logger = logging.getLogger(__name__)
 
 
 def abandonment_marker(save_id: str | None, abandoned_by_step: int, resumed_from: int | None) -> bytes:
@@ -84,8 +94,6 @@ def abandonment_of(location: Any, manifest: Mapping[str, Any] | None, files: Map
     Raises:
         TransferError / VolumeError: the marker cannot be read.
     """
-    from uc_checkpoint.format.layout import ABANDONED_NAME
-
     if ABANDONED_NAME not in files:
         return None
     raw = location.read_bytes(ABANDONED_NAME)
@@ -95,6 +103,85 @@ def abandonment_of(location: Any, manifest: Mapping[str, Any] | None, files: Map
 def newer_published(published: Sequence[int], step: int) -> list[int]:
     """The published steps above ``step``: what a save of ``step`` abandons."""
     return sorted(s for s in published if s > step)
+
+
+def mark_rollback(
+    root: Volume,
+    step: int,
+    resumed: int | None,
+    *,
+    infos: Iterable[CheckpointInfo],
+    is_published: Callable[[CheckpointInfo], bool],
+    read_manifest: Callable[[Volume], Mapping[str, Any] | None],
+    abandoned: set[int],
+    log: logging.Logger = logger,
+) -> list[int]:
+    """Before a run's first save of ``step`` under ``root``: mark the published steps above it as
+    abandoned, and take back ``resumed`` (the step the run loaded, None if none) if a rollback had
+    abandoned it. Returns the steps marked now, with a warning naming them.
+
+    Args:
+        infos: the root's listing (``published`` looked up or not).
+        is_published: whether a listed location is published (asked only for steps above ``step``).
+        read_manifest: the manifest of the checkpoint at a location (``.metadata`` read, retried);
+            CorruptCheckpointError or CheckpointNotFoundError skip that checkpoint (``latest()``
+            skips it anyway).
+        abandoned: the steps known to be abandoned, updated in place: ``step`` and ``resumed``
+            leave it, every published step above ``step`` joins it.
+        log: where the warnings go (the manager passes its own logger).
+
+    A marker already there that applies is left as it is (some mounts refuse rewrites); a mount
+    that refuses to delete the resumed step's marker is logged, not raised (newer saves win anyway).
+
+    Raises:
+        TransferError / VolumeError: a marker cannot be looked up, read or written.
+    """
+    from uc_checkpoint.ops.catalog import checkpoint_name  # catalog imports this module
+
+    abandoned.discard(step)  # saved again now, on this line
+    if resumed is not None:
+        abandoned.discard(resumed)
+        location = root.child(checkpoint_name(resumed))
+        if location.size(ABANDONED_NAME) is not None:
+            try:
+                location.delete(ABANDONED_NAME)
+            except TransferError as exc:  # a mount that refuses deletes: newer saves win anyway
+                log.warning("checkpoint manager: could not take back step %d (%s)", resumed, exc)
+            else:
+                log.warning(
+                    "checkpoint manager: step %d, abandoned by an earlier rollback, was loaded and "
+                    "is saved from: it is part of the run's line again",
+                    resumed,
+                )
+    newer = newer_published([i.step for i in infos if i.step > step and is_published(i)], step)
+    marked = []
+    for old in newer:
+        if old == resumed:
+            continue
+        location = root.child(checkpoint_name(old))
+        try:
+            manifest = read_manifest(location)
+        except (CorruptCheckpointError, CheckpointNotFoundError):
+            continue  # broken or gone: latest() skips it anyway
+        abandoned.add(old)
+        if abandonment_of(location, manifest, location.list_files()) is not None:
+            continue  # an earlier rollback's marker still says so (and some mounts refuse rewrites)
+        location.publish_bytes(
+            ABANDONED_NAME, abandonment_marker((manifest or {}).get("save_id"), step, resumed), overwrite=True
+        )
+        marked.append(old)
+    if marked:
+        log.warning(
+            "checkpoint manager: saving step %d under %s, below published step(s) %s: treating this as a "
+            "rollback. Those checkpoints are now an abandoned branch (a %s file in each): latest() skips "
+            "them and retention deletes them first. To return to one, load it with load(state, step=N) "
+            "and save from it.",
+            step,
+            root.url,
+            marked,
+            ABANDONED_NAME,
+        )
+    return marked
 
 
 def retention_plan(
@@ -129,6 +216,7 @@ def retention_plan(
 __all__ = [
     "abandonment_marker",
     "describe_marker",
+    "mark_rollback",
     "marker_applies",
     "newer_published",
     "parse_marker",

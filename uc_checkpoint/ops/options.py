@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from uc_checkpoint.engine.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES, MIN_CHUNK_BYTES
 from uc_checkpoint.format.layout import MAX_SPREAD_PREFIXES
+from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ class WriterOptions(_Options):
         thread_count: DCP serialisation threads per rank (>= 1).
         file_size_bytes: target size of one data file, in bytes (>= 1); smaller files start
             uploading sooner but cost more requests. None: sized from the rank's share (about 16
-            files of 16-256 MiB, :func:`uc_checkpoint.dcp.writer.auto_file_size`).
+            files of 16-256 MiB, :func:`uc_checkpoint.dcp.serialize.auto_file_size`).
         overwrite: a save may replace a checkpoint already published at its step's location (the
             old one stays loadable until the new ``.metadata`` replaces it).
         create_parents: create missing parent directories of a local location.
@@ -202,4 +204,45 @@ class ReaderOptions(_Options):
     allow_unsafe_metadata: bool = False
 
 
-__all__ = ["ReaderOptions", "WriterOptions"]
+def check_manager_arguments(
+    root: object,
+    *,
+    keep_last: int | None,
+    keep_every: int | None,
+    async_save: bool,
+    async_mode: str,
+    async_staging: bool,
+    reuse_staging_buffers: bool,
+    list_attempts: int,
+) -> None:
+    """The checks of :class:`~uc_checkpoint.ops.manager.CheckpointManager`'s own arguments (the
+    meanings are documented there).
+
+    Raises:
+        TypeError: ``root`` is not a path, URL or Volume, or a count is not an int.
+        ValueError: a value out of range, or options that do not go together (each message names
+            them).
+    """
+    if not isinstance(root, (str, os.PathLike, Volume)):
+        raise TypeError(f"root must be a path, URL or Volume, got {type(root).__name__}")
+    for arg, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"{arg} must be an int or None, got {type(value).__name__}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if keep_every is not None and keep_every < 1:
+        raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
+    if async_mode not in ("thread", "process"):
+        raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+    if async_staging and not async_save:
+        raise ValueError("async_staging=True needs async_save=True (a synchronous save stages nothing)")
+    if reuse_staging_buffers and (not async_save or async_staging or async_mode != "thread"):
+        raise ValueError(
+            "reuse_staging_buffers=True needs async_save=True, async_staging=False and async_mode='thread' "
+            "(it keeps the writer's own staging copy, which PROCESS mode hands to DCP's daemon)"
+        )
+    if list_attempts < 1:
+        raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
+
+
+__all__ = ["check_manager_arguments", "ReaderOptions", "WriterOptions"]

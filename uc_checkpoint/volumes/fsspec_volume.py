@@ -46,6 +46,7 @@ from uc_checkpoint.errors import (
 from uc_checkpoint.format.integrity import Digest, FileRecord
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path
+from uc_checkpoint.volumes.retry import retry
 
 logger = logging.getLogger(__name__)
 
@@ -179,26 +180,31 @@ class FsspecVolume(Volume):
 
         A listing that fails on an entry deleted while it ran (fsspec's local filesystem stats each
         entry it found: FileNotFoundError; its memory filesystem: KeyError) is made again, up to
-        :data:`LIST_ATTEMPTS` times; only a location that is itself gone lists as empty. Read as
-        empty, a save's marker deleted meanwhile would hide every checkpoint there."""
-        error: Exception | None = None
-        for _ in range(LIST_ATTEMPTS):
+        :data:`LIST_ATTEMPTS` times, at once (:func:`~uc_checkpoint.volumes.retry.retry`); only a
+        location that is itself gone lists as empty. Read as empty, a save's marker deleted
+        meanwhile would hide every checkpoint there."""
+
+        def attempt() -> list[dict[str, Any]] | None:
             try:
-                found = self._ls(self.root)
-                break
-            except FileNotFoundError as exc:
+                return self._ls(self.root)
+            except FileNotFoundError:
                 if not self._root_exists():
-                    return []
-                error = exc
-            except KeyError as exc:
-                error = exc
+                    return None  # the location itself is gone
+                raise
+            except KeyError:
+                raise  # retried, as an entry that vanished
             except Exception as exc:  # noqa: BLE001
                 raise TransferError(f"listing {self.url} failed: {exc}") from exc
-        else:
+
+        try:
+            found = retry(attempt, attempts=LIST_ATTEMPTS, retry_on=(FileNotFoundError, KeyError))  # at once
+        except (FileNotFoundError, KeyError) as error:
             raise TransferError(
                 f"listing {self.url} failed {LIST_ATTEMPTS} times, each on an entry that vanished while "
                 f"it ran: {error!r}"
             ) from error
+        if found is None:
+            return []
         out: list[Entry] = []
         for entry in found:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]

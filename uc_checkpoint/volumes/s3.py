@@ -23,18 +23,11 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import os
-import random
-import threading
 import time
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,7 +36,8 @@ from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_b
 from uc_checkpoint.format.layout import is_checkpoint_file
 from uc_checkpoint.volumes.base import Entry, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
-from uc_checkpoint.volumes.workers import Workers
+from uc_checkpoint.volumes.retry import retry
+from uc_checkpoint.volumes.s3_client import ClientSettings, SharedClient, Transfers, read_body_into
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -59,253 +53,6 @@ DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_MAX_CONCURRENCY = 8
 #: Attempts per request, first one included.
 DEFAULT_MAX_ATTEMPTS = 8
-
-
-class RetryCounter:
-    """The retries behind one boto3 client's successful calls (botocore's ``after-call`` hook feeds
-    it), shared by every volume using that client. Thread-safe."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.count += n
-
-    def on_after_call(self, parsed: Any = None, **_: Any) -> None:
-        """botocore ``after-call`` hook: the retries behind each successful call."""
-        attempts = ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts") or 0
-        if attempts:
-            self.add(int(attempts))
-
-
-def _renew_in_forked_child(owner: Any, renew: Callable[[Any], None]) -> None:
-    """Call ``renew(owner)`` in every child forked from this process while ``owner`` lives (held
-    weakly): a lock another thread held at the fork stays held in the child, and would be waited on
-    forever."""
-    ref = weakref.ref(owner)
-
-    def in_child() -> None:
-        alive = ref()
-        if alive is not None:
-            renew(alive)
-
-    os.register_at_fork(after_in_child=in_child)
-
-
-class PartChecksums:
-    """The CRC-32 of every part of the multipart uploads in flight through one boto3 client, by
-    bucket and key, handed to botocore as each ``UploadPart``'s ``ChecksumCRC32``. Thread-safe.
-
-    s3transfer sends the parts and takes no per-part checksum, so botocore would compute each
-    part's CRC-32 itself (zlib's, one more read of the staged file: ~0.3 CPU-s per GiB here) though
-    the staged file's digest already holds it. Only used where botocore signs the body anyway (see
-    :meth:`S3Volume._sends_own_crc`): the request is then the same either way (botocore puts what it
-    computes in the same header). S3 checks the part against it and refuses it (``BadDigest``) if
-    they differ, so a wrong entry can fail an upload, never store a bad part. A part is given a
-    CRC-32 only when exactly one upload of its key is announced and the part's length is the one
-    announced; otherwise botocore computes it as before.
-    """
-
-    def __init__(self) -> None:
-        self._by_key: dict[tuple[str, str], list[list[tuple[int, int]]]] = {}
-        self._lock = threading.Lock()
-        _renew_in_forked_child(self, PartChecksums._forget_parent)
-
-    def _forget_parent(self) -> None:
-        # The parent's uploads are not the child's.
-        self._lock = threading.Lock()
-        self._by_key = {}
-
-    @contextmanager
-    def announced(self, bucket: str, key: str, parts: list[tuple[int, int]]) -> Iterator[None]:
-        """Within the block, ``UploadPart`` requests for ``bucket``/``key`` carry ``parts[n - 1]``'s
-        CRC-32 for part number ``n``; ``parts`` is ``(crc32, length in bytes)`` per part, in order."""
-        where = (bucket, key)
-        with self._lock:
-            self._by_key.setdefault(where, []).append(parts)
-        try:
-            yield
-        finally:
-            with self._lock:
-                entries = self._by_key[where]
-                entries.remove(parts)
-                if not entries:
-                    del self._by_key[where]
-
-    def on_upload_part(self, params: dict[str, Any], **_: Any) -> None:
-        """botocore ``before-parameter-build.s3.UploadPart`` hook."""
-        if params.get("ChecksumAlgorithm") != "CRC32" or "ChecksumCRC32" in params:
-            return
-        with self._lock:
-            entries = self._by_key.get((params.get("Bucket", ""), params.get("Key", "")))
-            parts = entries[0] if entries and len(entries) == 1 else None
-        number = params.get("PartNumber")
-        if parts is None or not isinstance(number, int) or not 1 <= number <= len(parts):
-            return
-        crc, length = parts[number - 1]
-        try:
-            sent = len(params["Body"])
-        except (KeyError, TypeError):
-            return
-        if sent == length:
-            params["ChecksumCRC32"] = crc32_base64(crc)
-
-
-@dataclass
-class ClientHooks:
-    """What our event handlers on one boto3 client keep: its retries and the part CRC-32s of the
-    multipart uploads in flight through it."""
-
-    retries: RetryCounter
-    part_checksums: PartChecksums
-
-
-class _HookedClients:
-    """Our hooks on each boto3 client, registered once per client however many volumes use it (a
-    client given to several volumes, or a factory returning one client, would otherwise collect a
-    set of handlers per volume). Holds the clients weakly."""
-
-    def __init__(self) -> None:
-        self._hooks: weakref.WeakKeyDictionary[Any, ClientHooks] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-        _renew_in_forked_child(self, _HookedClients._new_lock)
-
-    def _new_lock(self) -> None:
-        self._lock = threading.Lock()
-
-    def hook_up(self, client: Any) -> ClientHooks:
-        with self._lock:
-            hooks = self._hooks.get(client)
-            if hooks is None:
-                hooks = ClientHooks(RetryCounter(), PartChecksums())
-                client.meta.events.register("after-call.s3", hooks.retries.on_after_call)
-                client.meta.events.register("before-call.s3.GetObject", _no_store_checksum_of_ranges)
-                client.meta.events.register("before-parameter-build.s3.UploadPart", hooks.part_checksums.on_upload_part)
-                self._hooks[client] = hooks
-            return hooks
-
-
-_HOOKED = _HookedClients()
-
-
-def _hook_up(client: Any) -> ClientHooks:
-    """Our event handlers on ``client``, registered on its first call."""
-    return _HOOKED.hook_up(client)
-
-
-class ClientCache:
-    """The boto3 clients this process built for volumes, by everything they were built from: the
-    volume's client settings, every ``AWS_*`` environment variable (credentials, profile, endpoint,
-    checksum settings) and the process id (a forked child never uses its parent's connections).
-
-    A job that saves every few minutes builds a new writer, and so a new volume, for each save; a
-    new client costs ~13 ms of CPU here (a botocore session registers ~1,300 event handlers) and
-    opens new connections (a TLS handshake each on real S3). fsspec caches filesystem instances for
-    the same reason (``fsspec.spec._Cached``). boto3 clients are thread-safe, so volumes in any
-    thread share one. At most ``size`` clients are kept (least recently used goes first; volumes
-    holding it keep using it). Clients from a ``client`` or ``client_factory`` argument are never
-    cached. An event handler registered on a shared client (``volume.client.meta.events``) reaches
-    every volume sharing it: pass ``client_factory=`` for a client of one's own.
-    """
-
-    def __init__(self, size: int = 16) -> None:
-        self.size = size
-        self._entries: OrderedDict[tuple[Any, ...], tuple[Any, ClientHooks]] = OrderedDict()
-        self._lock = threading.Lock()
-        # The child starts with a lock of its own (another thread may have held this one, building
-        # a client) and none of its parent's clients.
-        _renew_in_forked_child(self, ClientCache._forget_parent)
-
-    def _forget_parent(self) -> None:
-        self._lock = threading.Lock()
-        self._entries = OrderedDict()
-
-    @staticmethod
-    def key(settings: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The cache key of a client built from ``settings`` in this process, now: with every
-        ``AWS_*`` environment variable and the size and modification time of the shared credentials
-        and config files (``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``, by default under
-        ``~/.aws``), so that credentials rotated in either give a new client."""
-        env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
-        files = []
-        for var, default in (("AWS_SHARED_CREDENTIALS_FILE", "credentials"), ("AWS_CONFIG_FILE", "config")):
-            path = os.path.expanduser(os.environ.get(var) or os.path.join("~", ".aws", default))
-            try:
-                st = os.stat(path)
-                files.append((path, st.st_size, st.st_mtime_ns))
-            except OSError:
-                files.append((path, -1, -1))
-        return (os.getpid(), settings, hashlib.sha256(repr((env, files)).encode()).hexdigest())
-
-    def get(self, settings: tuple[Any, ...], build: Callable[[], Any]) -> tuple[Any, ClientHooks]:
-        """The client for ``settings`` and its hooks, built by ``build`` if none is cached."""
-        key = self.key(settings)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                return entry
-            # Built under the lock: two threads never build the same client twice.
-            client = build()
-            entry = (client, _hook_up(client))
-            self._entries[key] = entry
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-            return entry
-
-    def clear(self) -> None:
-        """Forget every cached client (volumes holding one keep it)."""
-        with self._lock:
-            self._entries.clear()
-
-
-#: This process's shared clients (see :class:`ClientCache`).
-CLIENTS = ClientCache()
-
-
-class _Shared:
-    """What a volume shares with the volumes :meth:`S3Volume.child` and
-    :meth:`S3Volume.with_location` make from it: one boto3 client
-    (thread-safe, taken on first use by whichever of them needs it first, from :data:`CLIENTS`
-    unless given) and the count of the retries its requests needed. Everything else (settings,
-    the transfer manager) belongs to each volume. Holds locks and a client, so it never crosses
-    processes: an unpickled volume starts a new one.
-
-    The retry count is what this volume family added itself (bodies cut off and fetched again)
-    plus the client's retries since the family took the client: a client shared with volumes
-    working at the same time counts their retries too.
-
-    Args:
-        client: a ready boto3 S3 client (the volume then refuses to be pickled), or None.
-    """
-
-    def __init__(self, client: Any = None) -> None:
-        self.pid = os.getpid()
-        self.client: Any = None
-        self.explicit_client = client is not None
-        self.client_lock = threading.Lock()  # one client is taken, even when threads race for it
-        self._own = 0
-        self._own_lock = threading.Lock()
-        self._counter: RetryCounter | None = None
-        self._base = 0
-        self.part_checksums: PartChecksums | None = None
-        if client is not None:
-            self.bind(client, _hook_up(client))
-
-    def bind(self, client: Any, hooks: ClientHooks) -> None:
-        self.client, self._counter, self._base = client, hooks.retries, hooks.retries.count
-        self.part_checksums = hooks.part_checksums
-
-    @property
-    def retries(self) -> int:
-        client_retries = 0 if self._counter is None else self._counter.count - self._base
-        return self._own + client_retries
-
-    def add_retries(self, n: int) -> None:
-        with self._own_lock:
-            self._own += n
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -325,17 +72,6 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     if not bucket:
         raise VolumeError(f"S3 URL {url!r} names no bucket")
     return check_bucket_name(bucket, url), canonical_key_path(prefix, url).lstrip("/")
-
-
-@functools.cache
-def _model_loader(data_path: str | None) -> Any:
-    """This process's botocore data loader (service models, endpoint rules), shared by every
-    client :class:`S3Volume` makes. botocore caches what a loader has read, per loader; the models
-    never change while a process runs, so one loader per process reads each file once. A forked
-    child inherits the cache, which stays valid (it holds no connections)."""
-    from botocore.loaders import create_loader
-
-    return create_loader(data_path)
 
 
 class S3Volume(Volume):
@@ -367,19 +103,18 @@ class S3Volume(Volume):
             those headers, for stores that refuse them. Without store checksums, uploads are verified
             by size, and every byte read is still checked against the manifest's CRC-32s.
         sign_payload: whether SigV4 signs each request body (a SHA-256 of every byte sent, and a
-            second read of each staged file for it: up to a third of a save's client CPU on a
-            plain-HTTP store, the ``uc-s3-unsigned`` rows of docs/benchmarks.md). botocore signs bodies only over
+            second read of each staged file for it: the ``uc-s3-unsigned`` rows of
+            docs/benchmarks.md show its cost on a plain-HTTP store). botocore signs bodies only over
             plain ``http://`` (over ``https`` the CRC-32 and TLS stand in for it); None (default)
             keeps that. False skips it on a plain-HTTP endpoint too (the body's CRC-32 is still sent
             and checked by the store), as s3torchconnector's CRT client always does: for a store
             inside the cluster where nobody can alter traffic in flight. True signs always.
 
+    The client itself (how it is built, cached, shared and hooked) is
+    :mod:`uc_checkpoint.volumes.s3_client`'s.
+
     Raises:
         VolumeError: ``url`` is not ``s3://bucket/...``.
-
-    (Over 250 lines: the client's lifetime and checksum settings, s3transfer's uploads and downloads
-    with their verification, and the error mapping of each S3 call; splitting them would spread one
-    store's behaviour over several classes.)
     """
 
     prefers_ranged_reads = True
@@ -432,10 +167,8 @@ class S3Volume(Volume):
         if sign_payload is not None and not isinstance(sign_payload, bool):
             raise VolumeError(f"sign_payload must be True, False or None, got {sign_payload!r}")
         self.sign_payload = sign_payload
-        self._shared = _Shared(client)
-        self._transfer: Any = None
-        self._transfer_pid = 0
-        self._lock = threading.Lock()  # guards this volume's transfer manager
+        self._shared = SharedClient(client)
+        self._transfers = Transfers()
 
     def __repr__(self) -> str:
         return f"S3Volume({self.url!r})"
@@ -478,16 +211,15 @@ class S3Volume(Volume):
             )
         state = dict(self.__dict__)
         state["_shared"] = self._shared.retries  # the count travels; the client and locks do not
-        state["_transfer"] = None
-        state["_lock"] = None
+        state["_transfers"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         retries = state.pop("_shared")
         self.__dict__.update(state)
-        self._shared = _Shared()
+        self._shared = SharedClient()
         self._shared.add_retries(retries)
-        self._lock = threading.Lock()
+        self._transfers = Transfers()
 
     def _send_checksums(self) -> bool:
         """Whether uploads carry a CRC-32 for the store to check and keep."""
@@ -518,24 +250,13 @@ class S3Volume(Volume):
     @property
     def client(self) -> Any:
         """The boto3 S3 client (built on first use, shared with :meth:`child` volumes)."""
-        shared = self._shared
-        if shared.pid != os.getpid() and not shared.explicit_client:
-            # Inherited through fork: the parent's client (its connections) and locks stay there.
-            fresh = _Shared()
-            fresh.add_retries(shared.retries)
-            shared = self._shared = fresh
-        with shared.client_lock:
-            if shared.client is None:
-                if self.client_factory is not None:
-                    client = self.client_factory()
-                    shared.bind(client, _hook_up(client))
-                else:
-                    shared.bind(*CLIENTS.get(self._client_settings(), self._make_client))
-            return shared.client
+        # Inherited through fork: the parent's client (its connections) and locks stay there.
+        shared = self._shared = self._shared.for_this_process()
+        return shared.take(self.client_factory, self._client_settings())
 
-    def _client_settings(self) -> tuple[Any, ...]:
-        """What this volume's client is built from (the :class:`ClientCache` key, with the environment)."""
-        return (
+    def _client_settings(self) -> ClientSettings:
+        """What this volume's client is built from (the cache key, with the environment)."""
+        return ClientSettings(
             self.endpoint_url,
             self.region_name,
             self.addressing_style,
@@ -546,36 +267,6 @@ class S3Volume(Volume):
             self.checksums,
             self.sign_payload,
         )
-
-    def _make_client(self) -> Any:
-        import boto3
-        import botocore.session
-        from botocore.config import Config
-
-        s3_options: dict[str, Any] = {"addressing_style": self.addressing_style} if self.addressing_style else {}
-        if self.sign_payload is not None:
-            s3_options["payload_signing_enabled"] = self.sign_payload
-        # checksums=False also keeps botocore from adding checksum headers of its own (it does on
-        # every PUT and GET by default), which stores that refuse them would reject.
-        quiet = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
-        config = Config(
-            **(quiet if self.checksums is False else {}),
-            retries={"mode": "standard", "total_max_attempts": self.max_attempts},
-            connect_timeout=self.connect_timeout,
-            read_timeout=self.read_timeout,
-            # Pool connections for every concurrent request: s3transfer's threads plus our own
-            # ranged reads and HEADs.
-            max_pool_connections=max(10, 2 * self.max_concurrency + 4),
-            s3=s3_options or None,
-        )
-        # A session per client (sessions are not safe to share between threads), all reading
-        # botocore's service models through one loader per process: decoding those JSON files is
-        # most of a client's construction (~0.1 s of CPU), which every save of a new writer paid.
-        botocore_session = botocore.session.get_session()
-        data_path = botocore_session.get_config_variable("data_path")  # AWS_DATA_PATH still applies
-        botocore_session.register_component("data_loader", _model_loader(data_path))
-        session = boto3.session.Session(botocore_session=botocore_session)
-        return session.client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name, config=config)
 
     @property
     def transfer_config(self) -> Any:
@@ -589,24 +280,10 @@ class S3Volume(Volume):
         )
 
     def _transfer_manager(self) -> Any:
-        client = self.client
-        with self._lock:
-            # A forked child inherits the parent's manager but not its worker threads: a transfer
-            # submitted there would wait forever.
-            if self._transfer is None or self._transfer_pid != os.getpid():
-                from s3transfer.manager import TransferManager
-
-                # Our threads, not ThreadPoolExecutor's: a save running while the interpreter exits
-                # goes on uploading (see uc_checkpoint.volumes.workers).
-                self._transfer = TransferManager(client, self.transfer_config, executor_cls=Workers)
-                self._transfer_pid = os.getpid()
-            return self._transfer
+        return self._transfers.get(self.client, lambda: self.transfer_config)
 
     def close(self) -> None:
-        with self._lock:
-            transfer, self._transfer = self._transfer, None
-        if transfer is not None and self._transfer_pid == os.getpid():
-            transfer.shutdown()
+        self._transfers.close()
 
     # ---- names --------------------------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -641,16 +318,34 @@ class S3Volume(Volume):
     def _scan(self) -> list[Entry]:
         """``ListObjectsV2`` with delimiter ``/``, every page: objects with their size and
         ``LastModified``, common prefixes as sub-locations. An empty prefix is an empty list."""
+        return self._list_objects("", delimiter=True)
+
+    def list_tree(self, prefix: str = "") -> list[Entry]:
+        """One ``ListObjectsV2`` without delimiter under ``<location>/<prefix>``, every page (1,000
+        keys each): every object below, at any depth, with its size and ``LastModified``. S3 has no
+        sub-locations to report (a zero-byte "folder" object ``a/`` is listed as one)."""
+        return self._list_objects(prefix, delimiter=False)
+
+    def _list_objects(self, below: str, *, delimiter: bool) -> list[Entry]:
+        """The objects whose keys start with this location's prefix and ``below``, named relative to
+        the location; with ``delimiter``, only those directly at it and its common prefixes.
+
+        Raises:
+            VolumeError: the bucket is missing or access to it denied.
+            TransferError: a page failed otherwise.
+        """
         prefix = self._dir_prefix()
         out: list[Entry] = []
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+                Bucket=self.bucket, Prefix=prefix + below, **({"Delimiter": "/"} if delimiter else {})
             )
             for page in pages:
                 for obj in page.get("Contents", []):
                     name = obj["Key"][len(prefix) :]
-                    if name:
+                    if name.endswith("/"):
+                        out.append(Entry(name, -1))  # a "folder" object: a sub-location, as a delimited listing says
+                    elif name:
                         out.append(Entry(name, int(obj["Size"]), obj["LastModified"].timestamp()))
                 for sub in page.get("CommonPrefixes", []):
                     out.append(Entry(sub["Prefix"][len(prefix) :], -1))
@@ -724,7 +419,7 @@ class S3Volume(Volume):
     def _announce_parts(self, name: str, digest: Digest, size: int, checksum: bool) -> AbstractContextManager[None]:
         """While the block runs, the multipart upload of ``name`` sends the part CRC-32s of
         ``digest`` (a staged file of ``size`` bytes) instead of botocore computing them again
-        (:class:`PartChecksums`); a no-op without ``checksum`` or where botocore sends its own CRC-32
+        (:class:`~uc_checkpoint.volumes.s3_client.PartChecksums`); a no-op without ``checksum`` or where botocore sends its own CRC-32
         in a trailer (:meth:`_sends_own_crc`)."""
         if not checksum or not self._sends_own_crc():
             return nullcontext()
@@ -837,7 +532,7 @@ class S3Volume(Volume):
         nbytes = sum(map(len, views))
         if nbytes:
             end = start + nbytes
-            got = self._get_range(name, start, end, lambda body: _read_body_into(body, views), file_size)
+            got = self._get_range(name, start, end, lambda body: read_body_into(body, views), file_size)
             if got != nbytes:
                 raise self._truncated(name, start, end, got)
 
@@ -879,7 +574,7 @@ class S3Volume(Volume):
     ) -> _R:
         """GET an object (or a range of it) and hand its body to ``receive`` (default: read it
         whole). botocore retries a failed request; a body cut off after the response started is
-        retried here, with the same backoff shape. With ``file_size``, a ranged response whose
+        retried here (:func:`~uc_checkpoint.volumes.retry.retry`), with the same backoff shape. With ``file_size``, a ranged response whose
         ``Content-Range`` gives the object another size raises CorruptCheckpointError before the
         body is read."""
         from http.client import IncompleteRead
@@ -903,20 +598,27 @@ class S3Volume(Volume):
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(name)}
         if byte_range:
             kwargs["Range"] = byte_range
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                response = self.client.get_object(**kwargs)
-                if file_size is not None:
-                    self._check_object_size(name, response, file_size)
-                return receive(response["Body"]) if receive is not None else response["Body"].read()
-            except cut_off as exc:
-                if attempt == self.max_attempts:
-                    raise
-                delay = random.uniform(0, min(20.0, 0.1 * 2**attempt))  # full jitter
-                logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.url_of(name), exc, attempt, delay)
-                self._shared.add_retries(1)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+
+        def attempt() -> _R:
+            response = self.client.get_object(**kwargs)
+            if file_size is not None:
+                self._check_object_size(name, response, file_size)
+            return receive(response["Body"]) if receive is not None else response["Body"].read()
+
+        def count(attempt: int, delay: float, exc: BaseException) -> None:
+            logger.debug("GET %s cut off (%s); retry %d in %.2f s", self.url_of(name), exc, attempt, delay)
+            self._shared.add_retries(1)
+
+        # Full jitter over 0.2 s, 0.4 s, ... up to 20 s; the last attempt's error is raised as it is.
+        return retry(
+            attempt,
+            attempts=self.max_attempts,
+            retry_on=cut_off,
+            backoff_s=0.2,
+            max_backoff_s=20.0,
+            jitter=True,
+            on_retry=count,
+        )
 
     def _check_object_size(self, name: str, response: Mapping[str, Any], file_size: int) -> None:
         """Raise CorruptCheckpointError when a ranged GET's ``Content-Range`` (``bytes a-b/total``)
@@ -981,9 +683,13 @@ class S3Volume(Volume):
             raise TransferError(f"deleting {self.url_of(name)} failed: {exc}") from exc
 
     def abort_incomplete_uploads(
-        self, older_than_s: float | None = None, keep: Callable[[str], bool] | None = None
+        self,
+        older_than_s: float | None = None,
+        keep: Callable[[str], bool] | None = None,
+        within: Callable[[str], bool] | None = None,
     ) -> int:
         prefix = self._dir_prefix()
+        covered = _at_location if within is None else within
         aborted = 0
         cutoff = None if older_than_s is None else time.time() - older_than_s
         try:
@@ -991,8 +697,8 @@ class S3Volume(Volume):
             for page in pages:
                 for upload in page.get("Uploads", []):
                     name = upload["Key"][len(prefix) :]
-                    if not _at_location(name) or (keep is not None and keep(name)):
-                        continue  # belongs to a location below this one, or the caller keeps it
+                    if not covered(name) or (keep is not None and keep(name)):
+                        continue  # not a file of the locations covered, or the caller keeps it
                     if cutoff is not None and upload["Initiated"].timestamp() > cutoff:
                         continue  # recent: a save may still be sending parts
                     self.client.abort_multipart_upload(
@@ -1010,79 +716,11 @@ def _etag_is_md5_of(etag: str | None, data: bytes) -> bool:
     return etag is not None and etag.strip('"').lower() == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
-def _no_store_checksum_of_ranges(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-    """botocore handler: a ranged GET's body is not checked against the object's stored CRC-32.
-
-    botocore does that (``response_checksum_validation``) whenever the answer carries the stored
-    checksum, which a range covering a whole object does: a second CRC-32 pass (zlib's, ~14% of a
-    load's client CPU measured) over bytes that are checked against the manifest's block CRC-32s
-    anyway, through a body wrapper that also keeps them from being received in place. Whole-object
-    GETs (``.metadata``) keep botocore's check."""
-    if "Range" in params.get("headers", {}):
-        context.get("checksum", {}).pop("response_algorithms", None)
-
-
 def _at_location(name: str) -> bool:
     """Whether the key ``name`` (relative to a location) is a file of that location: directly in
     it, or a data file in one of its spread prefixes (:func:`uc_checkpoint.format.layout.spread_dir`),
     not something of a location below it."""
     return "/" not in name or is_checkpoint_file(name)
-
-
-def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
-    """Receive the response ``body`` into ``outs``, filled one after the other; returns the body's
-    length in bytes (compare it with the views' total: more or fewer bytes than asked for).
-
-    The bytes go from the socket into ``outs`` through the standard library's
-    ``http.client.HTTPResponse.readinto`` under urllib3's response (botocore's ``StreamingBody``
-    and urllib3's ``readinto`` both read into a new bytes object and copy it). Only a plain
-    response is read that way: any wrapper (botocore's checksum-validating body), a content
-    encoding or a chunked body goes through ``read()`` and one copy, as does a botocore or urllib3
-    without those attributes.
-    """
-    from botocore.response import StreamingBody
-
-    wanted = sum(map(len, outs))
-    raw = getattr(body, "_raw_stream", None)  # urllib3.response.HTTPResponse
-    fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse
-    plain = (
-        type(body) is StreamingBody
-        and callable(getattr(fp, "readinto", None))
-        and not getattr(raw, "chunked", True)
-        and not raw.headers.get("content-encoding")  # type: ignore[union-attr]
-    )
-    if not plain:
-        data = memoryview(body.read())
-        pos = 0
-        for out in outs:
-            n = max(0, min(len(out), len(data) - pos))
-            out[:n] = data[pos : pos + n]
-            pos += n
-        return len(data)
-    from http.client import IncompleteRead
-
-    announced = getattr(body, "_content_length", None)
-    got = 0
-    try:
-        for out in outs:
-            filled = 0
-            while filled < len(out):
-                n = fp.readinto(out[filled:])  # type: ignore[union-attr]
-                if not n:
-                    break
-                filled += n
-            got += filled
-            if filled < len(out):
-                break
-        if announced is not None and got < min(int(announced), wanted):
-            # The connection ended before the body the store announced: cut off, not a short file.
-            raise IncompleteRead(b"", int(announced) - got)
-        # Reading on through urllib3 sees the end of the body (and returns the connection to its
-        # pool), or hands back bytes beyond the range, which the caller reports.
-        return got + len(raw.read())  # type: ignore[union-attr]
-    except BaseException:
-        raw.close()  # type: ignore[union-attr]  # a connection cut mid-body is not reused
-        raise
 
 
 def _hint(exc: BaseException) -> str:
