@@ -74,7 +74,14 @@ def _load_back(location: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "mode"),
-    [("writer", "thread"), ("writer", "process"), ("manager", "thread"), ("manager", "process"), ("stager", "thread")],
+    [
+        ("writer", "thread"),
+        ("writer", "process"),
+        ("manager", "thread"),
+        ("manager", "process"),
+        ("stager", "thread"),
+        ("late", "thread"),
+    ],
 )
 def test_a_save_in_flight_at_exit_is_finished(tmp_path: Path, kind: str, mode: str) -> None:
     location = tmp_path / "vol"
@@ -377,23 +384,21 @@ def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
 ) -> None:
     # DCP's PROCESS mode without a process group raises after our stage(): that save's thread never
     # reaches the writer. The next async save must go where the writer points now, and the dead
-    # save's exit ticket must be over (else the interpreter's exit waits for it).
+    # save's staging is dropped (ended with an error, reported), not handed to it.
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from uc_checkpoint.dcp import exit_guard
-    from uc_checkpoint.dcp import writer as writer_module
-
-    monkeypatch.setattr(writer_module, "UNCLAIMED_WAIT_S", 0.2)
     writer = UCVolumeWriter(tmp_path / "A")
     with pytest.raises(ValueError, match="process group"):
         dcp.async_save(
             {"w": torch.ones(16)}, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
         )
+    dead = writer.handover.staged
+    assert dead is not None and not dead.report.ended
     writer.reset(tmp_path / "B")
     dcp.async_save({"w": torch.full((16,), 2.0)}, storage_writer=writer, no_dist=True).result(timeout=60)
     assert (tmp_path / "B" / ".metadata").is_file() and not (tmp_path / "A" / ".metadata").exists()
-    stale = [t for t in exit_guard._GUARD._tickets if not t.over() and str(tmp_path / "A") in t.what]
-    assert not stale
+    assert dead.report.ended and "never reached the writer" in str(dead.report.error)
+    assert writer.handover.staged is None
 
 
 def test_a_dropped_async_saves_buffers_are_never_copied_into_again(
@@ -402,9 +407,9 @@ def test_a_dropped_async_saves_buffers_are_never_copied_into_again(
     # An entry no save's thread claimed in time is dropped by the next stage(); its thread may only
     # be slow and still hold the snapshot, so the next save must not copy into those tensors.
     from uc_checkpoint import StagingBuffers
-    from uc_checkpoint.dcp import writer as writer_module
+    from uc_checkpoint.dcp import handover
 
-    monkeypatch.setattr(writer_module, "UNCLAIMED_WAIT_S", 0.2)
+    monkeypatch.setattr(handover, "UNTAKEN_WAIT_S", 0.2)
     pool = StagingBuffers()
     warm = UCVolumeWriter(tmp_path / "warm", staging_buffers=pool)
     dcp.async_save({"w": torch.zeros(1 << 16)}, storage_writer=warm, no_dist=True).result(timeout=60)
@@ -420,59 +425,33 @@ def test_a_dropped_async_saves_buffers_are_never_copied_into_again(
     assert pool.nbytes == (1 << 16) * 4  # the last save's own set is kept
 
 
-def _open_tickets(where: Path) -> list[Any]:
-    """Exit tickets for ``where`` not yet ended (ended, not over: a ticket also counts as over when
-    no thread runs it or from its own thread)."""
-    from uc_checkpoint.dcp import exit_guard
-
-    return [t for t in exit_guard._GUARD._tickets if not t._ended.is_set() and str(where) in t.what]
-
-
 @pytest.mark.parametrize("hand_over", [pickle.dumps, copy.deepcopy], ids=["pickle", "deepcopy"])
-def test_a_save_taken_at_checkpoint_id_ends_when_its_thread_hands_the_writer_over(
-    tmp_path: Path, hand_over: Any
-) -> None:
-    # DCP's PROCESS executor reads checkpoint_id on its thread (which claims the staged save there)
-    # and then pickles the writer for its background process: that hand-over ends the save here.
-    writer = UCVolumeWriter(tmp_path / "A")
-    staged = writer.stage({"w": torch.ones(16)})
-    seen: list[Any] = []
-
-    def executor_thread(staging_future_or_state_dict: Any = staged) -> None:
-        assert writer.checkpoint_id.endswith("A")  # DCP's logger, first thing
-        seen.append(len(_open_tickets(tmp_path / "A")))
-        hand_over(writer)
-        seen.append(len(_open_tickets(tmp_path / "A")))  # this thread still alive: ended, not died
-        seen.append(dict(writer._claimed))
-
-    thread = threading.Thread(target=executor_thread)
-    thread.start()
-    thread.join(timeout=60)
-    assert seen == [1, 0, {}]
-    assert not writer._pending
-
-
-@pytest.mark.parametrize("reader", ["main", "other thread"])
-def test_reading_checkpoint_id_without_the_staged_dict_takes_no_save(tmp_path: Path, reader: str) -> None:
-    # Any thread may read checkpoint_id (DCP's logger on the caller's own thread, user code): only
-    # the thread that holds the staged dict on its stack takes the save, and a pickle by another
-    # thread ends nothing.
+def test_a_staged_save_goes_with_the_pickle_another_thread_makes(tmp_path: Path, hand_over: Any) -> None:
+    # DCP's PROCESS executor pickles the writer on its own thread for the checkpoint process: the
+    # staged save goes there with it and is over here (its error, if any, is the other process's).
     writer = UCVolumeWriter(tmp_path / "A")
     writer.stage({"w": torch.ones(16)})
+    staged = writer.handover.staged
+    assert staged is not None
+    thread = threading.Thread(target=hand_over, args=(writer,))
+    thread.start()
+    thread.join(timeout=60)
+    assert writer.handover.staged is None and staged.report.ended and staged.report.error is None
 
-    def read_and_pickle() -> None:
+
+@pytest.mark.parametrize("reader", ["checkpoint_id", "pickle"])
+def test_the_staging_thread_reading_or_pickling_the_writer_takes_no_save(tmp_path: Path, reader: str) -> None:
+    # The caller's own thread (DCP's logger reads checkpoint_id there; user code may copy the
+    # writer) takes nothing: only DCP's save thread, or a pickle made elsewhere, does.
+    writer = UCVolumeWriter(tmp_path / "A")
+    writer.stage({"w": torch.ones(16)})
+    if reader == "checkpoint_id":
         assert writer.checkpoint_id.endswith("A")
-        pickle.dumps(writer)
-
-    if reader == "main":
-        read_and_pickle()
     else:
-        thread = threading.Thread(target=read_and_pickle)
-        thread.start()
-        thread.join(timeout=60)
-    assert len(writer._pending) == 1 and not writer._claimed
-    assert len(_open_tickets(tmp_path / "A")) == 1
-    writer._pending.popleft()[0].end()  # no save thread will come for it
+        pickle.dumps(writer)
+    staged = writer.handover.staged
+    assert staged is not None and not staged.report.ended
+    staged.drop("no save thread will come for it")
 
 
 @pytest.fixture

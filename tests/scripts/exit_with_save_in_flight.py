@@ -2,8 +2,9 @@
 
 Usage: exit_with_save_in_flight.py KIND MODE LOCATION [PG_FILE]
     KIND: ``writer`` (``dcp.async_save`` with ``UCVolumeWriter``), ``stager`` (the same with DCP's
-    ``DefaultStager`` staging asynchronously) or ``manager``
-    (``CheckpointManager.save``, step 5, under LOCATION as root).
+    ``DefaultStager`` staging asynchronously), ``manager`` (``CheckpointManager.save``, step 5,
+    under LOCATION as root) or ``late`` (a synchronous ``dcp.save`` that a non-daemon thread starts
+    once the interpreter's exit has begun: after ``concurrent.futures`` refused new work).
     MODE: ``thread`` or ``process`` (DCP's async_checkpointer_type; process needs PG_FILE for a
     1-rank gloo group).
 The state holds ``w`` = 7s and ``big`` = arange(3e6) (12 MB, so the save is still running at exit).
@@ -12,7 +13,9 @@ Prints ``SCRIPT END`` and returns without waiting.
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import sys
+import threading
 import warnings
 
 import torch
@@ -43,6 +46,16 @@ def main() -> None:
             async_checkpointer_type=kind_of,
             async_stager=stager,
         )
+    elif kind == "late":
+
+        def late() -> None:
+            # Wait for the exit to start: concurrent.futures' exit callback has set its flag.
+            while not concurrent.futures.thread._shutdown:  # type: ignore[attr-defined]
+                threading.Event().wait(0.01)
+            dcp.save(state, storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20), no_dist=True)
+            print("LATE SAVE DONE", flush=True)
+
+        threading.Thread(target=late, daemon=False).start()
     else:
         manager = CheckpointManager(location, async_mode=mode, writer_options={"file_size_bytes": 2 << 20})
         manager.save(5, state)

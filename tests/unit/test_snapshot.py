@@ -1,4 +1,5 @@
-"""The CPU snapshot async_save takes (uc_checkpoint.dcp.stager and UCVolumeWriter.stage)."""
+"""The CPU snapshot async_save takes (uc_checkpoint.dcp.stager, its copy threads in dcp.parallel_copy, and
+UCVolumeWriter.stage)."""
 
 from __future__ import annotations
 
@@ -137,67 +138,6 @@ def test_async_save_keeps_the_values_of_the_moment_it_returned(single_rank_group
     assert target["step"] == 7
 
 
-def test_async_save_returns_before_its_thread_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DCP starts the save's thread inside async_save; that thread plans holding the GIL while the
-    caller waits for it to return to training. The writer's first hook on that thread hands the
-    GIL back first, so async_save has returned before the planner starts (without the hand-back
-    the planner starts first: the caller gets the GIL only after a switch interval, 5 ms)."""
-    import threading
-    import time
-
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    import uc_checkpoint.dcp.writer as writer_module
-
-    # Generous, so that a busy machine cannot delay the caller's wake-up past it.
-    monkeypatch.setattr(writer_module, "HAND_BACK_S", 0.2)
-    planned_at: list[tuple[float, bool]] = []
-
-    class RecordingPlanner(DefaultSavePlanner):
-        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-            planned_at.append((time.perf_counter(), threading.current_thread() is threading.main_thread()))
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
-
-    sd = {"layer": {f"t{i}": torch.randn(64) for i in range(200)}, "step": 3}
-    fut = dcp.async_save(sd, storage_writer=UCVolumeWriter(tmp_path / "ckpt"), planner=RecordingPlanner())
-    returned_at = time.perf_counter()
-    fut.result(timeout=120)
-
-    ((planned, on_main),) = planned_at
-    assert not on_main  # planned on the save's own thread
-    assert returned_at < planned
-
-
-def test_async_save_returns_before_dcps_own_set_up_on_its_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """DCP's save thread runs its own set-up (logging, storage set-up, state-dict walk) before the
-    writer's ``storage_meta``, holding the GIL while the caller of async_save waits for it. The
-    writer hands the GIL back at the first thing that thread reads, ``checkpoint_id`` (DCP's
-    logger), so async_save has returned before ``storage_meta`` is even called."""
-    import time
-
-    import uc_checkpoint.dcp.writer as writer_module
-
-    monkeypatch.setattr(writer_module, "HAND_BACK_S", 0.2)  # generous: see the test above
-    entered: list[float] = []
-
-    class RecordingWriter(UCVolumeWriter):
-        def storage_meta(self) -> Any:
-            entered.append(time.perf_counter())  # before the writer's own hook runs
-            return super().storage_meta()
-
-    sd = {"layer": {f"t{i}": torch.randn(64) for i in range(20)}, "step": 3}
-    fut = dcp.async_save(sd, storage_writer=RecordingWriter(tmp_path / "ckpt"))
-    returned_at = time.perf_counter()
-    fut.result(timeout=120)
-
-    assert entered and returned_at < entered[0]
-    target = {"layer": {f"t{i}": torch.zeros(64) for i in range(20)}, "step": 0}
-    dcp.load(target, storage_reader=UCVolumeReader(tmp_path / "ckpt"))
-    assert torch.equal(target["layer"]["t7"], sd["layer"]["t7"]) and target["step"] == 3
-
-
 @pytest.fixture
 def two_torch_threads() -> Any:
     before = torch.get_num_threads()
@@ -213,21 +153,21 @@ def test_big_tensors_are_copied_on_threads_of_our_own_without_openmp(
     # delaying the thread async_save starts next: the big copies run on our threads, OpenMP off.
     import threading
 
-    from uc_checkpoint.dcp import stager
+    from uc_checkpoint.dcp import parallel_copy
 
-    if stager._openmp() is None:
+    if parallel_copy._openmp() is None:
         pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
     seen: list[tuple[int, int, int]] = []
-    real = stager._copy_piece
+    real = parallel_copy._copy_piece
 
     def recording(piece: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         nbytes = sum(src.numel() * src.element_size() for src, _ in piece)
         seen.append((threading.get_ident(), torch.get_num_threads(), nbytes))
         real(piece)
 
-    monkeypatch.setattr(stager, "_copy_piece", recording)
+    monkeypatch.setattr(parallel_copy, "_copy_piece", recording)
     started: list[object] = []
-    real_start = stager._thread.start_new_thread
+    real_start = parallel_copy._thread.start_new_thread
 
     class _Threads:
         @staticmethod
@@ -235,7 +175,7 @@ def test_big_tensors_are_copied_on_threads_of_our_own_without_openmp(
             started.append(fn)
             return real_start(fn, args)
 
-    monkeypatch.setattr(stager, "_thread", _Threads)
+    monkeypatch.setattr(parallel_copy, "_thread", _Threads)
     big = torch.nn.Parameter(torch.randn(3 << 20))  # 12 MiB: cut into 2 MiB pieces
     sd = {
         "big": big,
@@ -257,7 +197,7 @@ def test_big_tensors_are_copied_on_threads_of_our_own_without_openmp(
     assert len(started) == 1  # the calling thread and one helper (torch's 2 threads)
     assert len({ident for ident, _, _ in seen}) <= 2
     assert sum(n for _, _, n in seen) == (12 + 8 + 2 + 1) << 20  # each big tensor once, tied once
-    assert max(n for _, _, n in seen) <= stager._COPY_PIECE_BYTES
+    assert max(n for _, _, n in seen) <= parallel_copy._COPY_PIECE_BYTES
     assert torch.get_num_threads() == 2  # the caller's OpenMP setting is back
 
 
@@ -266,9 +206,9 @@ def test_a_failed_copy_is_raised_on_the_caller_and_every_helper_ends(
 ) -> None:
     import threading
 
-    from uc_checkpoint.dcp import stager
+    from uc_checkpoint.dcp import parallel_copy
 
-    if stager._openmp() is None:
+    if parallel_copy._openmp() is None:
         pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
     caller = threading.get_ident()
     helper_started = threading.Event()
@@ -283,7 +223,7 @@ def test_a_failed_copy_is_raised_on_the_caller_and_every_helper_ends(
         for src, dst in piece:
             dst.copy_(src)
 
-    monkeypatch.setattr(stager, "_copy_piece", failing_on_a_helper)
+    monkeypatch.setattr(parallel_copy, "_copy_piece", failing_on_a_helper)
     with pytest.raises(MemoryError, match="no memory for the copy"):
         cpu_snapshot({"a": torch.randn(4 << 20), "b": torch.randn(4 << 20)})
     assert torch.get_num_threads() == 2
@@ -292,17 +232,17 @@ def test_a_failed_copy_is_raised_on_the_caller_and_every_helper_ends(
 def test_without_an_openmp_runtime_to_set_torch_copies_as_before(
     two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from uc_checkpoint.dcp import stager
+    from uc_checkpoint.dcp import parallel_copy
 
-    monkeypatch.setattr(stager, "_openmp", lambda: None)
-    monkeypatch.setattr(stager, "_copy_piece", lambda piece: pytest.fail("no piece is ours to copy"))
+    monkeypatch.setattr(parallel_copy, "_openmp", lambda: None)
+    monkeypatch.setattr(parallel_copy, "_copy_piece", lambda piece: pytest.fail("no piece is ours to copy"))
     sd = {"a": torch.randn(3 << 20), "b": torch.nn.Parameter(torch.randn(1 << 20))}
     snap = cpu_snapshot(sd)
     assert torch.equal(snap["a"], sd["a"]) and torch.equal(snap["b"], sd["b"].detach())
 
 
 def test_pieces_cover_every_element_once_biggest_first() -> None:
-    from uc_checkpoint.dcp.stager import _pieces
+    from uc_checkpoint.dcp.parallel_copy import _pieces
 
     pairs = [
         (torch.arange(n, dtype=dt), torch.zeros(n, dtype=dt))
@@ -325,9 +265,9 @@ def test_pieces_cover_every_element_once_biggest_first() -> None:
 def test_a_helper_that_cannot_start_leaves_its_share_to_the_caller(
     two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from uc_checkpoint.dcp import stager
+    from uc_checkpoint.dcp import parallel_copy
 
-    if stager._openmp() is None:
+    if parallel_copy._openmp() is None:
         pytest.skip("torch here does not run on an OpenMP runtime we can set per thread")
 
     class _NoThreads:
@@ -335,7 +275,7 @@ def test_a_helper_that_cannot_start_leaves_its_share_to_the_caller(
         def start_new_thread(fn: Any, args: tuple[Any, ...]) -> int:
             raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(stager, "_thread", _NoThreads)
+    monkeypatch.setattr(parallel_copy, "_thread", _NoThreads)
     sd = {"a": torch.randn(4 << 20), "b": torch.randn(4 << 20)}
     snap = cpu_snapshot(sd)  # returns (no wait on a helper that never ran), every byte copied
     assert torch.equal(snap["a"], sd["a"]) and torch.equal(snap["b"], sd["b"])

@@ -11,7 +11,7 @@ import pytest
 from uc_checkpoint import TransferError, VolumeError
 from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
 from uc_checkpoint.format.layout import is_checkpoint_file
-from uc_checkpoint.ops.catalog import checkpoint_name, latest_checkpoint, list_checkpoints
+from uc_checkpoint.ops.catalog import checkpoint_name, latest, list_steps
 from uc_checkpoint.volumes import LocalVolume, open_volume
 
 
@@ -80,7 +80,7 @@ def test_checkpoint_names_and_latest(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         checkpoint_name(-1)
     root = LocalVolume(tmp_path)
-    assert latest_checkpoint(root) is None
+    assert latest(root, intact=False) is None
     for step, published in ((10, True), (20, True), (30, False)):
         d = tmp_path / checkpoint_name(step)
         d.mkdir()
@@ -88,12 +88,13 @@ def test_checkpoint_names_and_latest(tmp_path: Path) -> None:
         if published:
             (d / ".metadata").write_bytes(b"m")
     (tmp_path / "notes").mkdir()
-    assert list_checkpoints(root) == [
+    assert [(i.step, i.name, i.published) for i in list_steps(root)] == [
         (10, "step_00000010", True),
         (20, "step_00000020", True),
         (30, "step_00000030", False),
     ]
-    assert latest_checkpoint(root) == (20, "step_00000020")
+    found = latest(root, intact=False)  # the newest published: nothing read (b"m" is no .metadata)
+    assert found is not None and (found.step, found.name) == (20, "step_00000020")
 
 
 def test_checkpoint_file_names() -> None:
@@ -122,7 +123,7 @@ def test_auto_file_size_cuts_a_rank_share_into_about_16_files_within_bounds(tmp_
     import torch.distributed.checkpoint as dcp
 
     from uc_checkpoint import UCVolumeWriter
-    from uc_checkpoint.dcp.writer import MAX_AUTO_FILE_SIZE, MIN_AUTO_FILE_SIZE, auto_file_size
+    from uc_checkpoint.dcp.serialize import MAX_AUTO_FILE_SIZE, MIN_AUTO_FILE_SIZE, auto_file_size
 
     assert auto_file_size(0) == MIN_AUTO_FILE_SIZE == 16 << 20
     assert auto_file_size(1 << 30) == 64 << 20  # 1 GiB -> 16 files of 64 MiB

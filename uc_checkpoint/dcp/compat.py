@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -58,14 +57,6 @@ except ImportError:  # pragma: no cover - older torch
 DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 
-def dcp_saver_file() -> str:
-    """Source file of DCP's ``save``: the outermost frame from it on a save's thread is the save's
-    call (see :mod:`uc_checkpoint.dcp.exit_guard`)."""
-    from torch.distributed.checkpoint import state_dict_saver
-
-    return state_dict_saver.__file__
-
-
 def cpu_loader(resolve: Callable[[Any], Any], thread_count: int, copy_ahead_bytes: int) -> Any:
     """The loader DCP's ``_write_files_from_queue`` would choose: tensors of a synchronous save on an
     accelerator (CUDA or a PrivateUse1 device) are copied to the CPU ahead of serialisation when one
@@ -82,6 +73,14 @@ def cpu_loader(resolve: Callable[[Any], Any], thread_count: int, copy_ahead_byte
 def dtensor_local(t: Any) -> torch.Tensor:
     """A DTensor's local shard itself (``to_local()`` would go through autograd)."""
     return t._local_tensor
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (``Tensor._version``; torch 1.x to 2.14, checked on 2.13), which each
+    in-place change of its storage through autograd-visible ops raises (an optimizer step
+    included). :class:`~uc_checkpoint.dcp.stager.BackgroundStager` compares it before and after its
+    copy to tell that a tensor changed meanwhile. Inference tensors have none (RuntimeError)."""
+    return t._version
 
 
 def dtensor_like(local: torch.Tensor, template: Any) -> Any:
@@ -140,20 +139,6 @@ def save_without_zip_crc(obj: Any, stream: Any) -> None:
     zip_file.write_end_of_file()
 
 
-def register_before_thread_pools_shut(callback: Callable[[], None]) -> bool:
-    """Run ``callback`` at interpreter exit before ``concurrent.futures`` refuses new work (Python's
-    private ``threading._register_atexit``, 3.9+; callbacks run newest first, so one registered
-    after ``concurrent.futures.thread`` was imported runs before its own). False when the
-    interpreter is already shutting down."""
-    import concurrent.futures.thread  # noqa: F401 - registers its callback first
-
-    try:
-        threading._register_atexit(callback)  # type: ignore[attr-defined]
-    except RuntimeError:
-        return False
-    return True
-
-
 def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for each pair in one call into torch (``torch._foreach_copy_``, 2.1+): the
     GIL is released once for all of them, not per tensor; a loop of ``copy_`` where it is missing."""
@@ -178,10 +163,9 @@ __all__ = [
     "_split_by_size_and_type",
     "copy_tensors",
     "cpu_loader",
-    "dcp_saver_file",
     "dtensor_like",
     "dtensor_local",
     "narrow_tensor_by_index",
-    "register_before_thread_pools_shut",
     "save_without_zip_crc",
+    "tensor_version",
 ]

@@ -27,16 +27,12 @@ import concurrent.futures
 import logging
 import os
 import queue
-import sys
 import threading
-import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -46,16 +42,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from uc_checkpoint.dcp import exit_guard, extensions, metadata_io
+from uc_checkpoint.dcp import extensions, metadata_io
 from uc_checkpoint.dcp.buffers import BufferLease, StagingBuffers
 from uc_checkpoint.dcp.compat import StreamTransformExtension
+from uc_checkpoint.dcp.handover import BACKGROUND, BackgroundSave, Handover, StagedSave
 from uc_checkpoint.dcp.serialize import (
-    AUTO_FILES_PER_RANK,
-    MAX_AUTO_FILE_SIZE,
-    MIN_AUTO_FILE_SIZE,
     FileJob,
     attach_records,
-    auto_file_size,
     complete_metadata,
     file_queue,
     split_results,
@@ -76,43 +69,11 @@ from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
 
-#: Seconds an async save's thread sleeps at its first hook so that the caller of ``async_save``
-#: takes the GIL back and returns (see :meth:`UCVolumeWriter._claim_staged`).
-HAND_BACK_S = 0.001
-#: Seconds the next ``stage()`` of a thread waits for an earlier async save of the same thread to
-#: be claimed by its own thread (milliseconds normally) before ending it as never started.
-UNCLAIMED_WAIT_S = 5.0
-
-#: An async save staged and not yet set up: (exit ticket, location when staged, world size or None,
-#: ident of the thread that staged it, the staged state dict ``stage()`` returned, its lease of
-#: kept staging buffers or None).
-_Staged = tuple[exit_guard.SaveTicket, str | Volume, int | None, int, Any, BufferLease | None]
 _T = TypeVar("_T")
-
-exit_guard.install()  # a save in flight when the script ends is finished first
-
-# Re-exported: they lived here before the serialiser had its own module.
-__all__ = ["AUTO_FILES_PER_RANK", "MAX_AUTO_FILE_SIZE", "MIN_AUTO_FILE_SIZE", "UCVolumeWriter", "auto_file_size"]
 
 
 def _new_token() -> str:
     return uuid.uuid4().hex[:8]
-
-
-def _on_stack(entries: Iterable[_Staged]) -> _Staged | None:
-    """The one of ``entries`` whose staged dict a frame of the calling thread holds, or None.
-    Identity, not names: no reliance on DCP's variable names."""
-    staged = {id(entry[4]): entry for entry in entries}
-    if not staged:
-        return None
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        for value in frame.f_locals.values():
-            entry = staged.get(id(value))
-            if entry is not None and entry[4] is value:
-                return entry
-        frame = frame.f_back
-    return None
 
 
 @dataclass
@@ -127,7 +88,9 @@ class _SaveSession(Session):
             started (``""`` for none; None until checked): a change by ``finish`` means another save
             published meanwhile.
         staging: this rank's staging directory while ``write_data`` runs.
-        ticket: keeps the interpreter's exit waiting while the save is in flight.
+        report: an async save's error report (:class:`~uc_checkpoint.dcp.handover.BackgroundSave`),
+            None for a synchronous one, whose caller gets the error.
+        staged: an async save's staging, taken by its thread's first hook and used at set-up.
         claim: the claim on the location (:func:`publish.begin_save`, running in the background;
             the coordinator's, or each rank's in a rank-local save), None on other ranks.
         marked: done once the claim's first step put this save's marker on the volume (or
@@ -141,7 +104,8 @@ class _SaveSession(Session):
     is_coordinator: bool = False
     published_digest: str | None = None
     staging: Path | None = None
-    ticket: exit_guard.SaveTicket | None = None
+    report: BackgroundSave | None = None
+    staged: StagedSave | None = None
     claim: concurrent.futures.Future[publish.Claim] | None = None
     marked: concurrent.futures.Future[None] | None = None
     lease: BufferLease | None = None
@@ -197,8 +161,8 @@ class _SaveSession(Session):
         self.release_snapshot()
         if self.claim is not None:
             concurrent.futures.wait([self.claim])  # nothing of this save runs on after it ends
-        if self.ticket is not None:
-            self.ticket.end(error)
+        if self.report is not None:
+            self.report.end(error)
 
     @contextmanager
     def ending_on_error(self) -> Iterator[None]:
@@ -229,7 +193,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         upload_workers: files uploaded at once per rank.
         thread_count: DCP serialisation threads per rank.
         file_size_bytes: target size of one data file in bytes; smaller files start uploading
-            sooner but cost more requests. None (default): :func:`auto_file_size` of the rank's share
+            sooner but cost more requests. None (default): :func:`~uc_checkpoint.dcp.serialize.auto_file_size` of the rank's share
             (about 16 files, 16-256 MiB each).
         overwrite: allow replacing a checkpoint already published at ``path``. The old checkpoint
             stays loadable until the new ``.metadata`` replaces it.
@@ -247,7 +211,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         staging_buffers: keep ``async_save``'s CPU snapshot between saves and copy the next one
             into it (:class:`~uc_checkpoint.dcp.buffers.StagingBuffers`; pass the same object to
             every writer of the run): training is blocked for a copy into mapped memory instead
-            of new memory (0.27-0.48x a plain copy's time in docs/benchmarks.md), at the cost of one copy of the rank's
+            of new memory (docs/benchmarks.md, "Staging for async_save"), at the cost of one copy of the rank's
             state kept between saves. None (default): each snapshot in new memory, freed with its
             save.
         _extensions: DCP's stream extensions, e.g. ``[ZStandard()]``, in DCP's format (stock readers
@@ -276,8 +240,10 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             rename or write as done and loses it): nothing is deleted then.
 
     One writer object may serve several saves at once (overlapping ``dcp.async_save`` calls, each
-    with its own ``checkpoint_id``): each save's state is its own (:mod:`uc_checkpoint.dcp.sessions`). A
-    save still in flight when the interpreter exits is finished first (:mod:`uc_checkpoint.dcp.exit_guard`).
+    with its own ``checkpoint_id``): each save's state is its own (:mod:`uc_checkpoint.dcp.sessions`),
+    and an async save's staging reaches its thread through :mod:`uc_checkpoint.dcp.handover`. A
+    save in flight when the interpreter exits is finished first, as with DCP's own writers: Python
+    joins DCP's save thread, whose pools keep working (:mod:`uc_checkpoint.volumes.workers`).
     """
 
     def __init__(
@@ -311,15 +277,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             staging_buffers=staging_buffers,
         )
         self._init_sessions(path, volume_options)
-        # Async saves staged whose own thread has not reached the writer yet: their exit ticket,
-        # where the caller's writer pointed then (another save's reset may move it before this one's
-        # thread starts), the world size it was staged in (None without a process group), the
-        # thread that staged it and the staged dict. A save's thread claims its entry at its first
-        # hook (_claim_staged).
-        self._pending: deque[_Staged] = deque()
-        self._claims = threading.Condition()
-        # Entries claimed by a save's thread and not yet set up, by thread.
-        self._claimed: dict[int, tuple[threading.Thread, _Staged]] = {}
+        #: Where an async save's staging waits for its thread (:mod:`uc_checkpoint.dcp.handover`).
+        self.handover = Handover()
         # Staging files are temporary: fsync there is wasted; durability is enforced on the volume.
         super().__init__(path=".", sync_files=False, thread_count=thread_count, overwrite=overwrite, **base_kwargs)
         self.single_file_per_rank = single_file_per_rank  # type: ignore[assignment]  # None: sized files
@@ -364,46 +323,18 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
     def path(self, value: Any) -> None:
         pass  # FileSystemWriter's own path is never used: every byte goes through staging
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL on the volume (recorded as ``StorageMeta.checkpoint_id``)."""
-        # DCP's save logger reads this first thing on an async save's thread, before ~0.5 ms of
-        # DCP's own set-up that runs holding the GIL while the caller of async_save waits for it:
-        # claiming here (which hands the GIL back) returns training that much sooner.
-        self._claim_staged()
-        return super().checkpoint_id
-
     def __getstate__(self) -> dict[str, Any]:
-        # DCP's PROCESS mode pickles the writer for its background process: a save staged here
-        # continues there, where the exit guard has nothing to wait for.
-        state = super().__getstate__()
-        with self._claims:
-            # Only the save being handed over (its staged dict is on this thread's stack, in DCP's
-            # process executor, which may have claimed it by reading checkpoint_id): a pickle or
-            # deepcopy of the writer for anything else ends nothing.
-            handed = self._entry_on_stack()
-            if handed is not None:
-                self._pending.remove(handed)
-            else:
-                handed = self._claimed_on_stack()
-            if handed is not None:
-                handed[0].end()
-                if handed[5] is not None:
-                    handed[5].forget()  # the snapshot goes to the other process with the save
-                self._claims.notify_all()
-        state["_pending"] = deque()
-        state["_claims"] = None
-        state["_claimed"] = {}
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._claims = threading.Condition()
+        # DCP's PROCESS mode pickles the writer for its checkpoint process: a save staged here
+        # continues there (the Handover itself pickles empty).
+        self.handover.take_for_pickle()
+        return super().__getstate__()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | Volume | None = None) -> None:
         # DCP's first hook on an async save's thread when the save names a checkpoint_id.
-        self._claim_staged()
-        self._reset_location(checkpoint_id)
+        staged = self._take_staged()
+        session = self._reset_location(checkpoint_id)
+        assert isinstance(session, _SaveSession)
+        session.staged = staged
 
     # ---- staging (the only part of async_save that blocks training) --------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -411,7 +342,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         stager copies a DTensor's shard twice); falls back to DCP's stager for a ``ShardedTensor`` or
         another tensor subclass (other than DTensor and Parameter)."""
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the snapshot is on CPU already
-        exit_guard.prune()  # a failed save's snapshot, held by its ticket, goes before this one is taken
+        BACKGROUND.report()  # a save DCP stopped between our hooks is reported before the next starts
         # Where this thread's saves go, as async_save was called: its last reset(checkpoint_id), as
         # for its synchronous saves, else the writer's; taken before the copy, during which another
         # thread's reset may move the writer.
@@ -430,107 +361,45 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             if lease is not None:
                 lease.cancel()
             raise
-        # The save's thread does not exist yet: an exit right after async_save must still wait.
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-        me = threading.get_ident()
-        with self._claims:
-            self._drop_unclaimed(me)
-            ticket = exit_guard.open_ticket(str(location), background=True)
-            self._pending.append((ticket, location, world, me, staged, lease))
+        self.handover.put(StagedSave(location, world, threading.current_thread(), lease))
         return staged
 
-    def _drop_unclaimed(self, staged_by: int) -> None:
-        """End the entries an earlier ``stage()`` of thread ``staged_by`` left that no save's thread
-        claimed within :data:`UNCLAIMED_WAIT_S`: DCP failed after staging them (a PROCESS-mode save
-        without a process group, an error before our first hook), and the next async save's thread
-        would otherwise take the stale entry, its location and ticket. Called holding the lock."""
-        deadline = time.monotonic() + UNCLAIMED_WAIT_S
-        while any(entry[3] == staged_by for entry in self._pending):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self._claims.wait(left)  # a save's thread claiming an entry wakes this
-        for entry in [e for e in self._pending if e[3] == staged_by]:
-            self._pending.remove(entry)
-            if entry[5] is not None:
-                # Not given back: a save's thread that is only slow (not dead) may still read it.
-                entry[5].forget()
-            entry[0].end(
-                StagingError(f"an async save staged for {entry[1]} never reached the writer (DCP failed before it)")
-            )
-
-    def _entry_on_stack(self) -> _Staged | None:
-        """The pending entry whose staged dict a frame of the calling thread holds: DCP's async
-        save thread passes the dict ``stage()`` returned down its stack (``save_wrapper``, or the
-        process executor's ``save`` that pickles the writer). Called holding the lock."""
-        return _on_stack(self._pending)
-
-    def _claimed_on_stack(self) -> _Staged | None:
-        """The calling thread's claimed entry, not yet set up, whose staged dict a frame of this
-        thread holds: removed from the claims and returned (None if there is none). Called
-        holding the lock."""
-        me = threading.current_thread()
-        mine = self._claimed.get(me.ident or 0)
-        if mine is None or mine[0] is not me or _on_stack([mine[1]]) is None:
-            return None
-        del self._claimed[me.ident or 0]
-        return mine[1]
-
-    def _claim_staged(self) -> _Staged | None:
-        """The async save this thread runs: the entry ``stage()`` left for it, claimed at the
-        thread's first hook (``checkpoint_id``, which DCP's logger reads first; ``reset`` and
-        ``storage_meta`` claim too), or None for any other save (a synchronous one, on whatever
-        thread) or with nothing staged.
-
-        A thread claims the entry whose staged dict its own stack holds (:meth:`_entry_on_stack`):
-        a synchronous ``dcp.save`` or a ``reset`` that another thread runs while an async save's
-        thread has not reached the writer yet takes nothing from it. A new claim hands the GIL back
-        (:data:`HAND_BACK_S`): DCP starts this thread from inside ``async_save``, whose caller then
-        waits for the GIL to return to training while this thread plans holding it, up to a switch
-        interval (5 ms; 7% of the time async_save blocked for 5,000 small tensors)."""
-        me = threading.current_thread()
-        with self._claims:
-            mine = self._claimed.get(me.ident or 0)
-            if mine is not None and mine[0] is me:
-                return mine[1]
-            entry = self._entry_on_stack()
-            if entry is None:
-                return None
-            self._pending.remove(entry)
-            # Claims of finished threads (a save DCP failed between our hooks) go with them.
-            self._claimed = {k: v for k, v in self._claimed.items() if v[0].is_alive()}
-            self._claimed[me.ident or 0] = (me, entry)
-            entry[0].bind()  # the ticket follows this thread: if it dies without ending it, it is over
-            self._claims.notify_all()
-        time.sleep(HAND_BACK_S)
-        return entry
+    def _take_staged(self) -> StagedSave | None:
+        """The staging of the async save this thread runs: kept by its session since an earlier hook,
+        else taken from the :class:`Handover` (on DCP's save thread only, see
+        :mod:`uc_checkpoint.dcp.handover`); None for a synchronous save, on whatever thread. A
+        staging taken here starts this thread's session at the location it was staged for."""
+        mine = self._own_session()
+        if isinstance(mine, _SaveSession) and mine.staged is not None:
+            return mine.staged
+        staged = self.handover.take()
+        if staged is not None:
+            session = self._new_session(staged.location, fresh=True)
+            assert isinstance(session, _SaveSession)
+            session.staged = staged
+        return staged
 
     def storage_meta(self) -> StorageMeta | None:
         """DCP's storage metadata of this save (as FileSystemWriter's). An async save's thread
-        claims its save here if it has not yet (:meth:`_claim_staged`)."""
-        self._claim_staged()
+        takes its staging here if it has not yet (:meth:`_take_staged`)."""
+        self._take_staged()
         return super().storage_meta()
 
     # ---- planning -----------------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        staged = self._claim_staged()
-        if staged is not None:
-            ticket, location, world, _staged_by, _dict, lease = staged
-            with self._claims:
-                self._claimed.pop(threading.get_ident(), None)
-        else:  # a synchronous save (or PROCESS mode's background process)
-            ticket, location, world, lease = exit_guard.open_ticket(str(self._location)), None, None, None
-        save = self._begin_session(location)
+        staged = self._take_staged()
+        save = self._begin_session(None if staged is None else staged.location)
         assert isinstance(save, _SaveSession)
-        save.ticket = ticket
-        save.lease = lease
-        ticket.bind(save.volume.url)
+        save.staged = None
+        if staged is not None:
+            save.lease, save.report = staged.lease, staged.report
+            save.report.bind(save.volume.url)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         save.is_coordinator = is_coordinator
-        error = _orphaned_save(save.volume.url, world)
+        error = _orphaned_save(save.volume.url, None if staged is None else staged.world_size)
         if error is not None:
-            save.release_snapshot()
-            ticket.end(error)
+            save.end(error)
             raise error
 
     def _staging_path(self) -> Path:
