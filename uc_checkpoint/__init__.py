@@ -11,8 +11,9 @@ retention), ``DataTracker``/``ShardSpec`` (the data-pipeline state, pure Python)
 ``Stateful`` wiring), ``WriterOptions``/``ReaderOptions`` (the manager's typed settings), ``collect_garbage``, ``list_root``/``describe_checkpoint``/``verify_checkpoint``
 (what ``uc-checkpoint ls``/``inspect``/``verify`` do), the volumes, and every error class.
 
-Names that need torch are imported on first use (PEP 562 ``__getattr__``), so that
-``import uc_checkpoint.data.tracker`` or ``uc_checkpoint.errors`` costs no torch import.
+Names that need torch are imported on first use (PEP 562 ``__getattr__``; ``dir()`` lists them
+before), so that ``import uc_checkpoint.data.tracker``, ``uc_checkpoint.errors`` or the
+``uc-checkpoint`` command line (``uc_checkpoint.cli``) costs no torch import.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

@@ -4,6 +4,11 @@ Every verb takes local/FUSE paths, ``s3://bucket/prefix`` (boto3's configuration
 e.g. ``AWS_ENDPOINT_URL``) and fsspec URLs. ``--json`` prints one JSON document for scripts. A user
 mistake or a checkpoint problem is one line on stderr and a non-zero exit (2 for errors, 1 for a
 checkpoint that fails ``verify``), never a traceback.
+
+Start-up imports no torch: a verb imports what it needs when it runs, and only what decodes a
+``.metadata`` in full (``inspect``, ``verify``, ``gc``) or saves (``demo``) pulls torch in. ``ls``
+never does: it reads what each ``.metadata`` references without torch
+(:func:`uc_checkpoint.format.metadata_peek.peek_metadata`).
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ def _where(args: argparse.Namespace, location: str) -> Any:
 def _ls(args: argparse.Namespace) -> int:
     from uc_checkpoint.ops.summary import list_root, summary_dict
 
-    rows = list_root(_where(args, args.root))
+    rows = list_root(_where(args, args.root), check=args.check)
     if args.json:
         _print_json([summary_dict(r) for r in rows])
         return 0
@@ -97,6 +102,12 @@ def _ls(args: argparse.Namespace) -> int:
                 f"{'':>10}  also {n} unreferenced file{'' if n == 1 else 's'}, {_size(r.unreferenced_bytes)} "
                 "(another save's, not part of this checkpoint): `uc-checkpoint gc` removes them once old"
             )
+    unchecked = sum(r.state == "published" for r in rows)
+    if unchecked:
+        print(
+            f"{unchecked} checkpoint{'' if unchecked == 1 else 's'} 'published': .metadata there, not checked "
+            "(sizes count every file a save writes there); `--check all` checks them"
+        )
     return 0
 
 
@@ -245,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", parents=[common], help="the checkpoints under a root: step, state, size, files, age")
     ls.add_argument("root", help="checkpoint root: path, s3://bucket/prefix or fsspec URL")
     ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument(
+        "--check",
+        choices=("none", "latest", "all"),
+        default="latest",
+        help="which published checkpoints to check against their .metadata (one read each): the newest until "
+        "one is complete, what a resume loads (latest, the default), every one (all), or none; the others "
+        "show as 'published'",
+    )
 
     ins = sub.add_parser(
         "inspect",

@@ -62,7 +62,7 @@ def saved_step(manager: CheckpointManager, step: int | None = None) -> int:
 
 
 def published(root: Path | str) -> list[int]:
-    return [s.step for s in list_root(str(root)) if s.state in ("complete", "abandoned")]
+    return [s.step for s in list_root(str(root), check="all") if s.state in ("complete", "abandoned")]
 
 
 def run(root: str, steps: list[int], *, resume: int | None = None, keep_last: int | None = 2) -> CheckpointManager:
@@ -109,7 +109,7 @@ def test_abandoned_checkpoints_are_listed_verified_and_kept_by_gc(tmp_path: Path
     root = tmp_path / "root"
     run(str(root), [100, 200, 300], keep_last=None)
     run(str(root), [110], resume=100, keep_last=None)
-    states = {s.step: s for s in list_root(str(root))}
+    states = {s.step: s for s in list_root(str(root), check="all")}
     assert [states[s].state for s in (100, 110, 200, 300)] == ["complete", "complete", "abandoned", "abandoned"]
     assert "rollback" in (states[200].problem or "") and "step 110" in (states[200].problem or "")
     assert CheckpointManager(str(root)).latest() == 110

@@ -1,19 +1,30 @@
 """How the requests of the checkpoint catalog grow with the number of checkpoints under a root
-(issue 16's scale section): ``latest()``, a load and a save's housekeeping must not read every
-checkpoint kept, ``ls`` and ``gc`` list each location once. Counted on the wire: real S3 over
-HTTP (moto) through the fault proxy, which records every request."""
+(issue 16's scale section, issue 35's costs that do not grow with the root): ``latest()``, a load
+and a save's housekeeping must not read every checkpoint kept; ``list()`` and ``ls`` cost the pages
+of one listing of the root (plus, for ``ls``, the newest checkpoint's ``.metadata``); ``gc`` reads
+every published ``.metadata`` (it must) and nothing else per checkpoint. Counted on the wire: real
+S3 over HTTP (moto) through the fault proxy, which records every request. docs/operating.md states
+the same counts."""
 
 from __future__ import annotations
 
 import collections
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 
-from tests.support.s3_fixtures import FaultProxy
+from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint import CheckpointManager, collect_garbage, list_root
+from uc_checkpoint.format.layout import METADATA_NAME
+from uc_checkpoint.ops.catalog import checkpoint_name
 from uc_checkpoint.volumes import S3Volume
+
+T = TypeVar("T")
 
 
 def state(step: int) -> dict:
@@ -83,15 +94,79 @@ def test_retention_looks_only_at_what_it_deletes(s3_bucket: str, fault_proxy: Fa
     assert sent["HEAD"] <= 6, sent  # the new step, 7, 6 and the save's own checks; not one per step
 
 
-def test_ls_and_gc_list_each_location_once(roots: dict[int, S3Volume], fault_proxy: FaultProxy) -> None:
-    per_checkpoint = {}
-    for n, root in roots.items():
-        ls = _requests(fault_proxy, lambda r=root: list_root(r))
-        gc = _requests(fault_proxy, lambda r=root: collect_garbage(r, grace_s=0, include_staging=False, dry_run=True))
-        per_checkpoint[n] = (ls, gc)
-    (ls3, gc3), (ls24, gc24) = per_checkpoint[3], per_checkpoint[24]
-    # Per checkpoint: one LIST of its location and one GET of its .metadata; no HEAD per checkpoint.
-    assert ls24["GET"] - ls3["GET"] == 2 * 21, (ls3, ls24)
-    assert ls24["HEAD"] == ls3["HEAD"], (ls3, ls24)
-    assert gc24["GET"] - gc3["GET"] == 2 * 21, (gc3, gc24)
-    assert gc24["HEAD"] == gc3["HEAD"], (gc3, gc24)
+def _kinds(proxy: FaultProxy, fn: Callable[[], T]) -> tuple[T, collections.Counter[str]]:
+    """``fn()`` and the requests it sends, by kind: ``list`` (ListObjectsV2), ``uploads``
+    (ListMultipartUploads), ``get <location>/<name>`` (an object read), or the method otherwise."""
+    proxy.reset()
+    result = fn()
+    out: collections.Counter[str] = collections.Counter()
+    for r in proxy.history:
+        path, _, query = r.path.partition("?")
+        if r.method == "GET" and "list-type=2" in query:
+            out["list"] += 1
+        elif r.method == "GET" and "uploads" in query.split("&"):
+            out["uploads"] += 1
+        elif r.method == "GET":
+            out[f"get {path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}"] += 1
+        else:
+            out[r.method] += 1
+    return result, out
+
+
+def _copies(bucket: str, server: str, proxy: FaultProxy, n: int) -> tuple[S3Volume, int]:
+    """``n`` complete checkpoints (steps 1..n) under s3://bucket/many: one real save's objects
+    (``.metadata``, claim, data file) copied server-side to every step location (n real saves would
+    take minutes), so that each ``.metadata`` names data files that are there with their sizes.
+    Returns the root (through the proxy) and the objects per checkpoint."""
+    source = S3Volume(f"s3://{bucket}/source", endpoint_url=server)
+    CheckpointManager(source, keep_last=None, async_save=False, write_pointer=False).save(1, state(1))
+    client = s3_client(server)
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="source/step_00000001/")["Contents"]]
+
+    def copy(step: int) -> None:
+        for key in keys:
+            target = key.replace("source/step_00000001/", f"many/{checkpoint_name(step)}/")
+            client.copy_object(Bucket=bucket, Key=target, CopySource={"Bucket": bucket, "Key": key})
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(copy, range(1, n + 1)))
+    return S3Volume(f"s3://{bucket}/many", endpoint_url=proxy.url), len(keys)
+
+
+@pytest.mark.parametrize("n", [10, 100, pytest.param(1000, marks=pytest.mark.slow)])
+def test_list_ls_and_gc_cost_the_listing_pages_not_a_request_per_checkpoint(
+    n: int, s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, staging: Path
+) -> None:
+    root, per_checkpoint = _copies(s3_bucket, s3_server, fault_proxy, n)
+    assert per_checkpoint == 3  # .metadata, the claim, one data file
+    pages = math.ceil(n * per_checkpoint / 1000)  # ListObjectsV2 returns 1,000 keys a page
+    newest = f"get {checkpoint_name(n)}/{METADATA_NAME}"
+    manager = CheckpointManager(root, async_save=False)
+
+    listed, sent = _kinds(fault_proxy, manager.list)
+    assert sent == {"list": pages}, sent
+    assert [(i.step, i.published) for i in listed] == [(s, True) for s in range(1, n + 1)]
+
+    rows, sent = _kinds(fault_proxy, lambda: list_root(root))
+    assert sent == {"list": pages, newest: 1}, sent
+    assert [r.state for r in rows] == ["published"] * (n - 1) + ["complete"]
+    assert len({(r.bytes, r.files) for r in rows}) == 1  # one checkpoint copied: the sizes agree
+
+    rows, sent = _kinds(fault_proxy, lambda: list_root(root, check="all"))
+    assert sent["list"] == pages and sum(sent.values()) == pages + n, sent  # every .metadata, once
+    assert [r.state for r in rows] == ["complete"] * n
+
+    # gc: the root's own listing, the recursive one, every .metadata (what each references), and
+    # one listing of the multipart uploads when it may abort them.
+    for dry_run in (True, False):
+        report, sent = _kinds(
+            fault_proxy, lambda d=dry_run: collect_garbage(root, grace_s=0, include_staging=False, dry_run=d)
+        )
+        assert sent["list"] == 1 + pages, sent
+        assert sent["uploads"] == (0 if dry_run else 1), sent
+        assert sum(1 for k in sent if k.startswith("get ")) == n, sent
+        assert sum(sent.values()) == 1 + pages + n + (0 if dry_run else 1), sent
+        assert not report.deleted_files and not report.spared_locations
+
+    latest, sent = _kinds(fault_proxy, manager.latest)
+    assert latest == n and sum(sent.values()) == 3, sent  # LIST root, GET .metadata, LIST location

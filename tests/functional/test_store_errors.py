@@ -1,8 +1,9 @@
 """A store that fails to answer is never evidence that a checkpoint is broken.
 
 A real S3 server behind the fault proxy answers 503 SlowDown to, or cuts the connection of, one kind
-of request: the LIST of the root, the LIST of the newest checkpoint's location, the HEAD or the GET of
-its ``.metadata``, the GET of one of its data files. ``latest()``, ``list()``, ``load()``, ``ls``,
+of request: a LIST of the root (of the root itself, or the recursive one of its step locations), the
+LIST of the newest checkpoint's location, the GET of its ``.metadata``, the GET of one of its data
+files. ``latest()``, ``list()``, ``load()``, ``ls``,
 ``verify`` and ``gc`` must each raise an error that names what failed, delete nothing and never fall
 back to the older step. A checkpoint that really is damaged (a data file deleted, a garbage
 ``.metadata``, a ``.metadata`` that disappears between listing and reading) is still skipped.
@@ -52,25 +53,25 @@ def _key_path(target: str) -> str:
     return "" if parts.query else parts.path
 
 
-#: Request kind -> proxy predicate on (method, raw target); the root prefix is "run/".
+#: Request kind -> proxy predicate on (method, raw target); the root prefix is "run/", and the
+#: recursive listing of its step locations lists the keys under "run/step_".
 KINDS: dict[str, Callable[[str, str], bool]] = {
-    "list-root": lambda m, t: m == "GET" and _list_prefix(t) == "run/",
+    "list-root": lambda m, t: m == "GET" and _list_prefix(t) in ("run/", "run/step_"),
     "list-newest": lambda m, t: m == "GET" and _list_prefix(t) == f"run/{NEWEST}/",
-    "head-metadata": lambda m, t: m == "HEAD" and _key_path(t).endswith(f"/run/{NEWEST}/.metadata"),
     "get-metadata": lambda m, t: m == "GET" and _key_path(t).endswith(f"/run/{NEWEST}/.metadata"),
     "get-data": lambda m, t: m == "GET" and f"/run/{NEWEST}/__" in _key_path(t) and _key_path(t).endswith(".distcp"),
 }
 
-#: What each operation reads: an operation whose requests include the kind must fail. Only list()
-#: looks up each .metadata with a HEAD; latest(), load, ls and gc learn it from the GET of the
-#: .metadata or from the location's listing (their requests do not grow with the checkpoints kept).
+#: What each operation reads: an operation whose requests include the kind must fail. list(), ls
+#: and gc learn each location's files from the root's recursive listing (no HEAD or LIST per
+#: checkpoint); ls and gc then GET the newest's .metadata, latest() and load list its location too.
 USES = {
     "latest": {"list-root", "list-newest", "get-metadata"},
-    "list": {"list-root", "head-metadata"},
+    "list": {"list-root"},
     "load": {"list-root", "list-newest", "get-metadata", "get-data"},
-    "ls": {"list-root", "list-newest", "get-metadata"},
+    "ls": {"list-root", "get-metadata"},
     "verify": {"list-newest", "get-metadata", "get-data"},
-    "gc": {"list-root", "list-newest", "get-metadata"},
+    "gc": {"list-root", "get-metadata"},
 }
 
 
@@ -171,7 +172,8 @@ def test_operations_that_do_not_read_the_failing_file_still_answer(store: Store)
     # listing and reads no data file.
     store.fail("get-data", "throttle")
     assert store.manager.latest() == 2
-    assert [(r.step, r.state) for r in list_root(store.root)] == [(1, "complete"), (2, "complete"), (3, "incomplete")]
+    rows = [(r.step, r.state) for r in list_root(store.root, check="all")]
+    assert rows == [(1, "complete"), (2, "complete"), (3, "incomplete")]
 
 
 def test_cli_exits_2_with_the_store_error_not_1_or_broken(
@@ -182,7 +184,7 @@ def test_cli_exits_2_with_the_store_error_not_1_or_broken(
     before = store.object_keys()
     for kind, argv in (
         ("get-metadata", ["ls", url]),
-        ("list-newest", ["ls", url, "--json"]),
+        ("get-metadata", ["ls", url, "--json", "--check", "all"]),
         ("get-data", ["verify", f"{url}/{NEWEST}"]),
         ("get-metadata", ["verify", f"{url}/{NEWEST}", "--json"]),
         ("get-metadata", ["gc", url, "--grace-s", "0", "--no-staging"]),

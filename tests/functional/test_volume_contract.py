@@ -192,6 +192,37 @@ def test_child_locations(backend: Backend) -> None:
             root.child("../x")  # a key: '..' would be a literal part of it
 
 
+def test_list_tree_lists_every_file_below_a_prefix(backend: Backend) -> None:
+    root = backend.root
+    assert root.list_tree() == []  # nothing there yet (a missing location on stores with directories)
+    for where, name, data in (
+        ("step_1", ".metadata", b"m"),
+        ("step_1/3a", "__0_ab_0.distcp", b"abc"),
+        ("step_1/3a/deeper", "x", b"xy"),
+        ("step_2", "__0_cd_0.distcp", b"abcd"),
+        ("other", "y", b"y"),
+        ("", "step_top", b"t"),
+    ):
+        location = root.child(where) if where else root
+        location.prepare_for_write()
+        location.publish_bytes(name, data)
+    tree = root.list_tree("step_")
+    files = {e.name: e.size for e in tree if not e.is_dir}
+    assert files == {
+        "step_1/.metadata": 1,
+        "step_1/3a/__0_ab_0.distcp": 3,
+        "step_1/3a/deeper/x": 2,
+        "step_2/__0_cd_0.distcp": 4,
+        "step_top": 1,
+    }
+    assert all(e.mtime is not None for e in tree if not e.is_dir)
+    dirs = {e.name for e in tree if e.is_dir}
+    # The walk reports the directories on its way; S3's one listing has none to report.
+    expected = {"step_1/", "step_1/3a/", "step_1/3a/deeper/", "step_2/"}
+    assert dirs == (set() if isinstance(root, S3Volume) else expected), dirs
+    assert {e.name for e in root.list_tree() if not e.is_dir} == {*files, "other/y"}
+
+
 def test_location_that_is_a_file(backend: Backend) -> None:
     if isinstance(backend.root, S3Volume):
         pytest.skip("an S3 key and a prefix of the same name coexist: no location is ever a file")

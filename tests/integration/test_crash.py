@@ -34,7 +34,7 @@ from tests.conftest import REPO, wait_for
 from tests.support import crash_loop
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.demo.run import kill_process_tree
-from uc_checkpoint.ops.catalog import list_checkpoints
+from uc_checkpoint.ops.catalog import list_steps
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume
 
@@ -149,8 +149,9 @@ def verify_root(root: Path, world_size: int, confirmed: list[int]) -> tuple[int 
     """Check everything under the manager's root after a kill; returns (latest step, published
     locations, unpublished locations)."""
     published = unpublished = 0
-    for step, name, is_published in list_checkpoints(LocalVolume(root)):
-        if not is_published:
+    for info in list_steps(LocalVolume(root)):
+        step, name = info.step, info.name
+        if not info.published:
             unpublished += 1
             continue
         published += 1

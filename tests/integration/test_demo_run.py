@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_script
-from uc_checkpoint.ops.catalog import list_checkpoints
+from uc_checkpoint.ops.catalog import list_steps
 from uc_checkpoint.volumes import LocalVolume
 
 
@@ -44,7 +44,7 @@ def test_demo_resumes_bit_exactly_and_on_one_rank(tmp_path: Path) -> None:
     assert "resume: step 4 from" in proc.stdout and "(2 -> 2 ranks;" in proc.stdout, out[-5000:]
     assert "resume: step 8 from" in proc.stdout and "(2 -> 1 ranks;" in proc.stdout, out[-5000:]
     assert "seek: rank 0 worker 0 -> shard_" in proc.stdout, out[-5000:]
-    published = {step: pub for step, _, pub in list_checkpoints(LocalVolume(tmp_path / "volume"))}
+    published = {info.step: info.published for info in list_steps(LocalVolume(tmp_path / "volume"))}
     # Step 6 saved again after the resume; step 10 by the one-rank run.
     assert published == {2: True, 4: True, 6: True, 8: True, 10: True}, published
     # The demo's own exactly-once check is not taken on trust: redo it from the logs here.

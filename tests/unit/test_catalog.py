@@ -5,19 +5,20 @@ errors that stay errors."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata
+from uc_checkpoint.engine.listing import checkpoint_entries, locations_below
 from uc_checkpoint.errors import TransferError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_claim
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.ops import catalog as checkpoints
-from uc_checkpoint.ops.catalog import CheckpointInfo, checkpoint_name, inspect_step, latest, list_steps, scan
+from uc_checkpoint.ops.catalog import checkpoint_name, inspect_step, latest, list_steps, scan
 from uc_checkpoint.ops.lineage import abandonment_marker
-from uc_checkpoint.ops.manager import CheckpointInfo as ManagerCheckpointInfo
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.summary import list_root
 from uc_checkpoint.volumes import FsspecVolume, LocalVolume, Volume
@@ -90,8 +91,66 @@ def test_every_state_and_the_latest(root: Volume) -> None:
     assert found is not None and (found.step, found.state) == (1, "complete")
     weak = latest(root, intact=False)
     assert weak is not None and weak.step == 4 and weak.state is None  # newest published, nothing read
-    assert checkpoints.latest_checkpoint(root) == (4, "step_00000004")
-    assert checkpoints.list_checkpoints(root) == [(i.step, i.name, i.published) for i in listed]
+    assert not hasattr(checkpoints, "latest_checkpoint") and not hasattr(checkpoints, "list_checkpoints")
+
+
+def test_how_much_ls_checks(root: Volume) -> None:
+    """``scan``'s ``check``: every published checkpoint (``all``), newest first until one is complete
+    (``latest``: here every one, since only the oldest is intact), or none (the listing only)."""
+    now = time.time()
+    checked = {i.step: i for i in scan(root, check="all", now=now)}
+    assert {s: r.state for s, r in checked.items()} == {
+        1: "complete",
+        2: "abandoned",
+        3: "broken",
+        4: "broken",
+        5: "incomplete",
+    }
+    assert scan(root, check="latest", now=now) == list(checked.values())
+    listed = {i.step: i for i in scan(root, check="none", now=now)}
+    assert {s: (r.published, r.state) for s, r in listed.items()} == {
+        1: (True, None),
+        2: (True, None),
+        3: (True, None),
+        4: (True, None),
+        5: (False, "incomplete"),
+    }
+    # Without the .metadata nothing tells a checkpoint's own files from others': every file a save
+    # writes is counted (the claim is the location's, not the checkpoint's). Step 1 holds only its own.
+    assert (listed[1].bytes, listed[1].files) == (checked[1].bytes, checked[1].files)
+    assert listed[1].unreferenced_files is None and checked[1].unreferenced_files == 0
+    assert listed[5] == checked[5]
+    assert [(s.step, s.state) for s in list_root(root, check="none")] == [
+        (1, "published"),
+        (2, "published"),
+        (3, "published"),
+        (4, "published"),
+        (5, "incomplete"),
+    ]
+    with pytest.raises(ValueError, match="check must be one of none, latest, all"):
+        scan(root, check="some")
+
+
+def test_ls_checks_the_newest_until_one_is_complete(tmp_path: Path, staging: Path, monkeypatch) -> None:
+    volume = LocalVolume(tmp_path / "root")
+    manager = CheckpointManager(volume, keep_last=None, async_save=False, write_pointer=False)
+    for step in (1, 2, 3, 4):
+        manager.save(step, state(step))
+    broken = volume.child(checkpoint_name(4))
+    broken.delete(data_files(broken)[0])
+    reads: list[str] = []
+    original = LocalVolume.read_bytes
+
+    def counted(self, name):
+        reads.append(f"{self.url.rsplit('/', 1)[-1]}/{name}")
+        return original(self, name)
+
+    monkeypatch.setattr(LocalVolume, "read_bytes", counted)
+    rows = [(i.step, i.state) for i in scan(volume)]
+    monkeypatch.undo()
+    assert rows == [(1, None), (2, None), (3, "complete"), (4, "broken")]
+    assert reads == [f"step_00000004/{METADATA_NAME}", f"step_00000003/{METADATA_NAME}"]  # not 2's, not 1's
+    assert manager.latest() == 3
 
 
 def test_the_manager_and_ls_agree_with_the_catalog(root: Volume, caplog) -> None:
@@ -101,7 +160,6 @@ def test_the_manager_and_ls_agree_with_the_catalog(root: Volume, caplog) -> None
     assert "step_00000004" in caplog.text and "step_00000003" in caplog.text
     assert manager._abandoned == {2}
     assert [(i.step, i.published) for i in manager.list()] == [(1, True), (2, True), (3, True), (4, True), (5, False)]
-    assert ManagerCheckpointInfo is CheckpointInfo
     summary = list_root(root)
     assert [(s.step, s.state) for s in summary] == [(i.step, i.state) for i in scan(root)]
     assert [s.location for s in summary] == [root.child(i.name).url for i in list_steps(root)]
@@ -168,26 +226,30 @@ def test_each_store_call_goes_through_retry(root: Volume) -> None:
     assert "list step_00000004" not in calls  # an undecodable .metadata needs no listing
 
 
-@pytest.mark.parametrize("what", ["read_bytes", "list_files", "size"])
+@pytest.mark.parametrize("what", ["read_bytes", "list_entries", "size"])
 def test_store_errors_are_raised_never_a_state(root: Volume, monkeypatch, what: str) -> None:
     def fail(self, *args, **kwargs):
         raise TransferError(f"{what} failed: 503 SlowDown")
 
     monkeypatch.setattr(type(root), what, fail)
     if what == "size":
-        # latest(), ls and gc never look up a .metadata's size (the GET or the location's listing
+        # latest(), list_steps(), ls and gc never look up a .metadata's size (the GET or a listing
         # says it); what does look it up must raise too.
+        assert [i.published for i in catalog.list_steps(root)] == [True, True, True, True, False]
+        assert [i.step for i in scan(root)] == [1, 2, 3, 4, 5]
         with pytest.raises(TransferError, match="SlowDown"):
             catalog.latest(root, intact=False)
-        with pytest.raises(TransferError, match="SlowDown"):
-            catalog.list_steps(root)
         return
     with pytest.raises(TransferError, match="SlowDown"):
         latest(root)
-    with pytest.raises(TransferError, match="SlowDown"):
-        scan(root)
-    with pytest.raises(TransferError, match="SlowDown"):
-        list_root(root)
+    for check in ("latest", "all") if what == "read_bytes" else catalog.CHECKS:
+        with pytest.raises(TransferError, match="SlowDown"):
+            scan(root, check=check)
+        with pytest.raises(TransferError, match="SlowDown"):
+            list_root(root, check=check)
+    if what == "list_entries":
+        with pytest.raises(TransferError, match="SlowDown"):
+            catalog.list_steps(root)
 
 
 def test_store_error_on_one_location_is_raised(root: Volume, monkeypatch) -> None:
@@ -254,3 +316,43 @@ def test_checkpoint_names() -> None:
     assert checkpoints.checkpoint_name is checkpoint_name
     with pytest.raises(ValueError, match="step must be >= 0"):
         checkpoint_name(-1)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_the_roots_one_listing_gives_each_locations_own(kind: str, tmp_path: Path) -> None:
+    """``locations_below`` (one recursive listing of the root) gives every location's entries as
+    its own listing (``checkpoint_entries``) does: spread prefixes opened, other sub-locations as
+    one entry, files at the root and other names left out."""
+    root = make_root(kind, tmp_path)
+    for where, name in (
+        ("step_00000001", METADATA_NAME),
+        ("step_00000001", "__0_ab_0.distcp"),
+        ("step_00000001/3a", "__5_ab_0.distcp"),
+        ("step_00000001/3a/odd", "x"),
+        ("step_00000001/notes", "y"),
+        ("step_00000002/0", "__0_cd_0.distcp"),
+        ("step_00000003", "__0_ef_0.distcp"),
+        ("other", "z"),
+        ("", "step_00000009"),  # a file, not a location
+    ):
+        location = root.child(where) if where else root
+        location.prepare_for_write()
+        location.publish_bytes(name, b"x" * len(name))
+    root.child("step_00000004").prepare_for_write()  # an empty location (a save that just began)
+
+    def own(entries) -> set:
+        return {(e.name, e.size, e.mtime) for e in entries}
+
+    found = locations_below(root, "step_")
+    expected = {"step_00000001", "step_00000002", "step_00000003"}
+    assert set(found) == expected | {"step_00000004"}, found  # both stores here have directories
+    for name, entries in found.items():
+        assert own(entries) == own(checkpoint_entries(root.child(name))), name
+    assert {e.name for e in found["step_00000001"]} == {
+        METADATA_NAME,
+        "__0_ab_0.distcp",
+        "3a/__5_ab_0.distcp",
+        "3a/odd/",
+        "notes/",
+    }
+    assert [(i.step, i.published) for i in list_steps(root)] == [(1, True), (2, False), (3, False), (4, False)]

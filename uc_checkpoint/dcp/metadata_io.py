@@ -6,12 +6,9 @@ unpickler that resolves only the globals DCP's metadata is made of (:data:`ALLOW
 torch dtypes by name). The decoded ``Metadata`` is then checked so that every data file it (or our
 manifest, see :mod:`uc_checkpoint.format.layout`) names is a plain file inside the checkpoint location.
 
-The allow-list was taken from every global seen while unpickling checkpoints saved by
-``UCVolumeWriter`` and by DCP's ``FileSystemWriter`` (torch 2.13, Python 3.11; tensors of 15 dtypes
-from float8 to complex128, channels-last, requires_grad, empty and 0-d tensors, nested dicts, lists
-and plain objects; with and without the flattening planner; ``checkpoint_id`` as str and as Path).
-A few entries name the same classes where other torch or Python versions put them; each is
-commented. ``tests/test_hostile_input.py`` re-checks real checkpoints against the list.
+The torch-free parts (the checksum trailer, the allow-list, the file-name rules, the checks of
+storage entries and of the manifest) are :mod:`uc_checkpoint.format.metadata_peek`'s, shared with
+its torch-free reader of what a ``.metadata`` references (``uc-checkpoint ls``).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import hashlib
 import io
 import logging
 import pickle
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,49 +32,29 @@ from uc_checkpoint.dcp.compat import _StorageInfo
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeMetadataError
 from uc_checkpoint.format import layout
 from uc_checkpoint.format import manifest as manifest_format
+from uc_checkpoint.format.metadata_peek import (
+    ALLOWED_GLOBALS,
+    TRAILER_PREFIX,
+    check_manifest,
+    check_storage_entry,
+    check_trailer_kept,
+    checked_payload,
+    storage_mapping,
+    unsafe_global,
+)
+from uc_checkpoint.format.metadata_peek import (
+    bad_file_name as bad_file_name,  # re-exported: readers and tests name it here
+)
 
 if TYPE_CHECKING:
     from uc_checkpoint.volumes import Volume
 
 logger = logging.getLogger(__name__)
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ABSENT = object()
 
-#: The checksum trailer after the pickle in ``.metadata``: ``pickle.load`` stops at the pickle's
-#: STOP opcode, so stock readers never see it, and every byte before it is covered by its sha256.
-TRAILER_PREFIX = b"\nuc-checkpoint-metadata sha256="
-_TRAILER = re.compile(rb"\nuc-checkpoint-metadata sha256=([0-9a-f]{64})\n\Z")
 #: Chunks per tensor above which the pairwise overlap check is skipped (volumes still must add up).
 _MAX_PAIRWISE_CHUNKS = 2048
-
-#: ``(module, name)`` of every global a ``.metadata`` pickle may name, besides torch dtypes.
-#: Each is a plain data class or a function that only looks a value up; none runs code it is given.
-ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_DCP_METADATA, "Metadata"),
-        (_DCP_METADATA, "MetadataIndex"),
-        (_DCP_METADATA, "StorageMeta"),
-        (_DCP_METADATA, "TensorStorageMetadata"),
-        (_DCP_METADATA, "BytesStorageMetadata"),
-        (_DCP_METADATA, "ChunkStorageMetadata"),
-        (_DCP_METADATA, "TensorProperties"),
-        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        # Older torch releases (2.0 era) defined DCP's TensorProperties here; their checkpoints name these.
-        ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
-        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
-        # FileSystemWriter stores its path (a pathlib.Path) as StorageMeta.checkpoint_id. Python 3.13
-        # pickles the classes as pathlib._local.*.
-        *(
-            (module, cls)
-            for module in ("pathlib", "pathlib._local")
-            for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-        ),
-    }
-)
 
 
 def is_allowed_global(module: str, name: str) -> bool:
@@ -107,11 +83,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if not is_allowed_global(module, name):
-            raise UnsafeMetadataError(
-                f"refusing to unpickle {module}.{name} from {self._where}: it is not part of DCP's "
-                "metadata format and could run code; pass allow_unsafe_metadata=True to UCVolumeReader "
-                "only if you trust this checkpoint"
-            )
+            raise unsafe_global(module, name, self._where)
         obj = super().find_class(module, name)
         if hasattr(obj, "__dict__") and id(obj) not in self._before:
             self._before[id(obj)] = (f"{module}.{name}", obj, dict(vars(obj)))
@@ -157,15 +129,6 @@ def dump_metadata(metadata: Metadata) -> bytes:
     return payload + TRAILER_PREFIX + hashlib.sha256(payload).hexdigest().encode() + b"\n"
 
 
-def split_trailer(data: bytes) -> tuple[bytes, str | None]:
-    """``(pickle bytes, sha256 hex)`` of a ``.metadata`` with a checksum trailer, or
-    ``(data, None)`` for one without (stock writers, our formats 1 and 2, or a damaged trailer)."""
-    match = _TRAILER.search(data, max(0, len(data) - len(TRAILER_PREFIX) - 65))
-    if match is None:
-        return data, None
-    return data[: match.start()], match.group(1).decode()
-
-
 def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Metadata:
     """Decode the bytes of a ``.metadata`` file and check them with :func:`check_metadata`.
 
@@ -184,12 +147,7 @@ def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Met
             garbage), do not hold a DCP ``Metadata``, or fail :func:`check_metadata`. The message
             names ``where``.
     """
-    payload, digest = split_trailer(data)
-    if digest is not None and hashlib.sha256(payload).hexdigest() != digest:
-        raise CorruptCheckpointError(
-            f"{where} fails its checksum (sha256 {hashlib.sha256(payload).hexdigest()[:16]}..., recorded "
-            f"{digest[:16]}...): the file was damaged or changed after it was written"
-        )
+    payload, digest = checked_payload(data, where)
     try:
         metadata = pickle.loads(payload) if allow_unsafe else _restricted_load(payload, where)
     except UnsafeMetadataError:
@@ -200,11 +158,7 @@ def load_metadata(data: bytes, where: str, *, allow_unsafe: bool = False) -> Met
         logger.warning("%s was unpickled without restrictions (allow_unsafe_metadata=True)", where)
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where} does not hold DCP Metadata (found {type(metadata).__name__})")
-    if digest is None:
-        if manifest_format.needs_trailer(getattr(metadata, layout.MANIFEST_ATTR, None)):
-            raise CorruptCheckpointError(
-                f"{where} has lost the checksum trailer it was written with (damaged or truncated at its end)"
-            )
+    check_trailer_kept(digest, getattr(metadata, layout.MANIFEST_ATTR, None), where)
     try:
         check_metadata(metadata, where)
     except CorruptCheckpointError:
@@ -269,41 +223,15 @@ def check_metadata(metadata: Metadata, where: str) -> None:
     Raises:
         CorruptCheckpointError: naming ``where`` and the offending entry.
     """
-    storage = metadata.storage_data
-    if storage is None:
-        storage = {}
-    if not isinstance(storage, Mapping):
-        raise CorruptCheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a mapping")
+    storage = storage_mapping(metadata.storage_data, where)
     for index, info in storage.items():
         if not isinstance(info, _StorageInfo):
             raise CorruptCheckpointError(f"{where}: storage entry for {index} is a {type(info).__name__}")
-        _check_file_name(info.relative_path, where, "data file")
-        for field in ("offset", "length"):
-            value = getattr(info, field)
-            if not isinstance(value, int) or value < 0:
-                raise CorruptCheckpointError(f"{where}: {info.relative_path!r} has {field} {value!r}")
-        descriptors = info.transform_descriptors
-        if descriptors is not None and (
-            isinstance(descriptors, str)
-            or not isinstance(descriptors, (list, tuple))
-            or not all(isinstance(d, str) for d in descriptors)
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: storage entry for {index} has transform descriptors {descriptors!r}"
-            )
+        check_storage_entry(index, info.relative_path, info.offset, info.length, info.transform_descriptors, where)
     _check_items(metadata, storage, where)
     manifest = manifest_of(metadata)
-    if manifest is None:
-        return
-    files = manifest.get("files") or {}
-    if not isinstance(files, Mapping):
-        raise CorruptCheckpointError(f"{where}: the manifest's files are a {type(files).__name__}, not a mapping")
-    for name in files:
-        _check_file_name(name, where, "manifest entry")
-    try:
-        manifest_format.entries_of(manifest)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{where}: the file manifest is malformed: {type(exc).__name__}: {exc}") from exc
+    if manifest is not None:
+        check_manifest(manifest, where)
 
 
 def _numel(sizes: tuple[int, ...] | list[int]) -> int:
@@ -379,36 +307,3 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, storage: Mapping[Any, Any
             for ob, sb in boxes[i + 1 :]:
                 if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb)) and _numel(sa) and _numel(sb):
                     raise bad(f"has overlapping chunks at {oa} and {ob}")
-
-
-def bad_file_name(name: object) -> str | None:
-    """Why ``name`` is not a plain file name inside a checkpoint location, or ``None``.
-
-    A name must be a non-empty string without ``/`` (absolute paths, other directories, URLs such
-    as ``s3://other-bucket/x``), ``\\`` (Windows separators), ``:`` (drive letters and URL schemes),
-    NUL, and must not be ``.`` or ``..``. The one ``/`` allowed is that of a data file in a spread
-    prefix (:func:`uc_checkpoint.format.layout.spread_dir`): one to two lower-case hex digits, ``/``,
-    then a plain name ending in ``.distcp``.
-    """
-    if not isinstance(name, str):
-        return f"it is a {type(name).__name__}, not a string"
-    head, sep, tail = name.partition("/")
-    if sep and layout.is_spread_dir(head + sep) and tail.endswith(layout.DATA_SUFFIX):
-        name = tail  # a spread prefix's data file: its own name must be plain
-    if not name:
-        return "it is empty"
-    if name in (".", ".."):
-        return "it names a directory"
-    for char, why in (("\0", "NUL"), ("/", "'/'"), ("\\", "'\\'"), (":", "':'")):
-        if char in name:
-            return f"it contains {why}"
-    return None
-
-
-def _check_file_name(name: object, where: str, what: str) -> None:
-    reason = bad_file_name(name)
-    if reason is not None:
-        raise CorruptCheckpointError(
-            f"{where} names {what} {name!r} outside the checkpoint ({reason}; "
-            "a checkpoint's files must be plain names in its location)"
-        )

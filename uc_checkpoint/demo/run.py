@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from uc_checkpoint.dcp.metadata_io import read_metadata
 from uc_checkpoint.format.layout import MANIFEST_ATTR
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.ops import catalog
@@ -491,6 +490,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def print_table(jobs: list[Job], vol: Any, resumes: list[dict[str, Any]], unpublished: set[tuple[str, int]]) -> None:
+    from uc_checkpoint.dcp.metadata_io import read_metadata  # torch: not for `uc-checkpoint --help`
+
     sizes = {}
     for info in catalog.list_steps(vol):
         location = vol.child(info.name)

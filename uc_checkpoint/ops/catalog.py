@@ -10,10 +10,20 @@ described by one record, :class:`CheckpointInfo`, in one of four states:
 * ``"abandoned"``: intact, but on a branch a rollback left (:mod:`uc_checkpoint.ops.lineage`);
 * ``"complete"``: published, every data file there with its recorded size, not abandoned.
 
-:func:`list_steps` only lists (one LIST of the root and a HEAD of each ``.metadata``);
-:func:`inspect_step` reads one location's ``.metadata`` and listing; :func:`latest` is the newest
-complete checkpoint (or, with ``intact=False``, the newest published one). The manager's
-``latest()``, ``uc-checkpoint ls``, ``verify``, ``gc`` and the demo all use these.
+:func:`list_steps` only lists: one recursive listing of the root shows which locations hold a
+``.metadata`` (:func:`list_step_entries` also gives each location's files); :func:`inspect_step`
+reads one location's ``.metadata`` and checks its files; :func:`scan` is what ``uc-checkpoint ls``
+shows; :func:`latest` is the newest complete checkpoint (or, with ``intact=False``, the newest
+published one). The manager's ``list()`` and ``latest()``, ``ls``, ``verify``, ``gc`` and the demo
+all use these. None of them reads every checkpoint kept, except ``gc`` and ``ls --check all``, which
+must (they read the ``.metadata`` files a few at a time); docs/operating.md counts their requests.
+
+Decoding a ``.metadata`` for real needs torch (its pickle names torch's classes; importing torch
+takes seconds). A listing needs only what the ``.metadata`` references, which
+:func:`~uc_checkpoint.format.metadata_peek.peek_metadata` reads without torch (``inspect_step``'s
+``peek``): :func:`scan`, and so ``uc-checkpoint ls`` in every ``--check`` mode, imports no torch.
+What loads or deletes (the manager's ``latest()``, ``verify``, ``gc``) decodes it fully, through
+:mod:`uc_checkpoint.dcp.metadata_io`, which imports torch when first used.
 
 A checkpoint is ``"broken"`` only on evidence of damage. A store that fails to answer proves
 nothing about a checkpoint: its errors (:class:`~uc_checkpoint.errors.TransferError`,
@@ -22,20 +32,27 @@ nothing about a checkpoint: its errors (:class:`~uc_checkpoint.errors.TransferEr
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from uc_checkpoint.dcp.metadata_io import data_file_names, manifest_of, read_metadata, referenced_files
-from uc_checkpoint.engine.listing import checkpoint_entries, checkpoint_files
+from uc_checkpoint.engine.listing import (
+    checkpoint_entries,
+    checkpoint_files,
+    in_parallel,
+    locations_below,
+    remove_empty_spread_dirs,
+)
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
 from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME, is_checkpoint_file, is_claim
 from uc_checkpoint.format.manifest import entries_of
+from uc_checkpoint.format.metadata_peek import PeekedMetadata, peek_metadata
 from uc_checkpoint.ops.lineage import abandonment_of
-from uc_checkpoint.volumes import Volume, open_volume
+from uc_checkpoint.volumes import Entry, Volume, open_volume
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -48,6 +65,13 @@ _STEP_DIR = re.compile(r"^step_(\d+)/?$")
 
 #: The states of :class:`CheckpointInfo`.
 STATES = ("complete", "incomplete", "broken", "abandoned")
+
+#: Which published checkpoints :func:`scan` inspects (reads the ``.metadata`` of): ``"none"``,
+#: ``"latest"`` (newest first until one is complete, as :func:`latest` does) or ``"all"``.
+CHECKS = ("none", "latest", "all")
+
+#: The names of a root's step locations start with this (:func:`checkpoint_name`).
+STEP_PREFIX = "step_"
 
 
 class Retry(Protocol):
@@ -67,7 +91,8 @@ class CheckpointInfo:
     """One step location under a root.
 
     A listing (:func:`list_steps`) fills ``step``, ``name`` and ``published``, and ``state`` only
-    for unpublished locations (``"incomplete"``); :func:`inspect_step` fills the rest.
+    for unpublished locations (``"incomplete"``); :func:`inspect_step` fills the rest (and
+    :func:`scan` the sizes of the published locations it does not inspect).
 
     Attributes:
         step: the training step (from the ``step_NNNNNNNN`` name).
@@ -75,16 +100,18 @@ class CheckpointInfo:
         published: its ``.metadata`` exists (the save finished); None when not looked up yet
             (a listing with ``published=False``: see :func:`is_published`).
         state: ``"complete"``, ``"incomplete"``, ``"broken"`` or ``"abandoned"`` (see the module
-            docstring); None for a published location not inspected yet.
+            docstring); None for a published location not inspected (not known to be intact).
         problem: what is wrong with a broken checkpoint, which rollback abandoned an abandoned
             one, or why an inspected location turned out unpublished; else None.
         bytes: size in bytes of the checkpoint's own files: for a published checkpoint whose
             ``.metadata`` decodes, that ``.metadata``, its rollback marker if any and the data files
-            it references that are there; otherwise every file at the location (None unless
-            inspected with ``details``).
-        files: number of data files counted in ``bytes`` (None unless inspected with ``details``).
+            it references that are there; for a published one not inspected (:func:`scan`), every
+            file a save writes there but the claim (another save's leftovers included); otherwise
+            every file at the location (None unless inspected with ``details`` or scanned).
+        files: number of data files counted in ``bytes`` (None unless inspected with ``details``
+            or scanned).
         age_s: seconds since the newest of those files was written (None unless inspected with
-            ``details``, or when the store has no times).
+            ``details`` or scanned, or when the store has no times).
         abandoned: whether a rollback marker applies to the checkpoint; None when it was not
             looked at (unreadable or vanished ``.metadata``, or a broken one inspected for a listing).
         unreferenced_files: files a save writes (data files, save markers) at a published
@@ -119,6 +146,13 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a location named as :func:`checkpoint_name` names them (a trailing ``/``, as
+    listings show sub-locations, allowed), or None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def open_root(root: str | Volume, *, what: str = "checkpoint root", missing: str = "does not exist") -> Volume:
     """The volume of a root that must already exist (``ls``, ``gc``): ``root`` itself or
     :func:`~uc_checkpoint.volumes.open_volume` of it.
@@ -138,24 +172,47 @@ def open_root(root: str | Volume, *, what: str = "checkpoint root", missing: str
 
 
 def list_steps(root: Volume, *, published: bool = True) -> list[CheckpointInfo]:
-    """Every step location under ``root``, oldest first: one listing of the root, then (with
-    ``published``) the size of each location's ``.metadata`` (a HEAD on object stores).
-    Unpublished ones are ``"incomplete"``; published ones are not inspected (``state`` None).
+    """Every step location under ``root``, oldest first. Unpublished ones are ``"incomplete"``;
+    published ones are not inspected (``state`` None).
 
-    ``published=False`` stops after the one listing: every record's ``published`` is None, for
-    callers that look up only the few they need (:func:`is_published`), newest first, so that
-    their cost does not grow with the number of checkpoints kept.
+    ``published=True``: one recursive listing of the root (:func:`list_step_entries`), which shows
+    each location's ``.metadata``: on S3 a request per 1,000 keys under the root, not one per
+    checkpoint. ``published=False``: one listing of the root itself (a request per 1,000 locations),
+    every record's ``published`` None, for callers that look up only the few they need
+    (:func:`is_published`), newest first, whatever the number of files each checkpoint has.
 
     Raises:
-        TransferError / VolumeError: the root cannot be listed or a ``.metadata`` not looked up.
+        TransferError / VolumeError: the root cannot be listed.
     """
+    if published:
+        return [info for info, _entries in list_step_entries(root)]
     out = []
     for name in root.list_files():
-        match = _STEP_DIR.match(name)
-        if match:
-            info = CheckpointInfo(int(match.group(1)), name.rstrip("/"), None)
-            out.append(is_published(root, info) if published else info)
+        step = step_of(name)
+        if step is not None:
+            out.append(CheckpointInfo(step, name.rstrip("/"), None))
     return sorted(out, key=lambda i: (i.step, i.name))
+
+
+def list_step_entries(root: Volume) -> list[tuple[CheckpointInfo, list[Entry]]]:
+    """Every step location under ``root``, oldest first, with its entries (as
+    :func:`~uc_checkpoint.engine.listing.checkpoint_entries` gives them: spread prefixes included),
+    from one recursive listing of the root (:func:`~uc_checkpoint.engine.listing.locations_below`).
+    ``published`` is whether the entries hold a ``.metadata``; unpublished ones are ``"incomplete"``.
+
+    Requests: on S3 one per 1,000 keys below ``<root>/step_``; on local and FUSE paths and fsspec
+    URLs one listing per directory.
+
+    Raises:
+        TransferError / VolumeError: the root cannot be listed.
+    """
+    out = []
+    for name, entries in locations_below(root, STEP_PREFIX).items():
+        step = step_of(name)
+        if step is not None:
+            found = any(e.name == METADATA_NAME and not e.is_dir for e in entries)
+            out.append((CheckpointInfo(step, name, found, None if found else "incomplete"), entries))
+    return sorted(out, key=lambda pair: (pair[0].step, pair[0].name))
 
 
 def is_published(root: Volume, info: CheckpointInfo, retry: Retry = call_once) -> CheckpointInfo:
@@ -172,14 +229,27 @@ def is_published(root: Volume, info: CheckpointInfo, retry: Retry = call_once) -
     return replace(info, published=found, state=None if found else "incomplete")
 
 
-def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -> dict[str, str]:
+def references_of(metadata: Metadata | PeekedMetadata) -> PeekedMetadata:
+    """What a checkpoint's ``.metadata`` references (its manifest and its data files' least sizes),
+    whether it was decoded (``Metadata``, :func:`uc_checkpoint.dcp.metadata_io.read_metadata`) or
+    peeked at (:func:`~uc_checkpoint.format.metadata_peek.peek_metadata`)."""
+    if isinstance(metadata, PeekedMetadata):
+        return metadata
+    from uc_checkpoint.dcp.metadata_io import manifest_of, referenced_files  # torch, loaded with `metadata`
+
+    return PeekedMetadata(manifest=manifest_of(metadata), referenced=referenced_files(metadata))
+
+
+def file_problems(location: Volume, metadata: Metadata | PeekedMetadata, files: dict[str, int]) -> dict[str, str]:
     """What is wrong with the data files a published checkpoint references, judged from a listing
     (``files``: name -> bytes): ``{name: problem}`` for every file that is missing or has another
     size than the manifest recorded (or less than its items need). Empty when every file is there
-    whole (checksums are :mod:`uc_checkpoint.ops.verify`'s job)."""
-    exact = {name: entry.size for name, entry in entries_of(manifest_of(metadata)).items()}
+    whole (checksums are :mod:`uc_checkpoint.ops.verify`'s job). ``metadata``: its ``.metadata``,
+    decoded or peeked at (:func:`references_of`)."""
+    references = references_of(metadata)
+    exact = {name: entry.size for name, entry in entries_of(references.manifest).items()}
     out: dict[str, str] = {}
-    for name, least in sorted(referenced_files(metadata).items()):
+    for name, least in sorted(references.referenced.items()):
         want = exact.get(name)
         if name not in files:
             out[name] = f"{location.url_of(name)} is missing"
@@ -190,7 +260,7 @@ def file_problems(location: Volume, metadata: Metadata, files: dict[str, int]) -
     return out
 
 
-def missing_or_short(location: Volume, metadata: Metadata, files: dict[str, int]) -> str | None:
+def missing_or_short(location: Volume, metadata: Metadata | PeekedMetadata, files: dict[str, int]) -> str | None:
     """The first of :func:`file_problems`, or None when the checkpoint's files are all there whole."""
     return next(iter(file_problems(location, metadata, files).values()), None)
 
@@ -204,6 +274,8 @@ def inspect_step(
     details: bool = False,
     rollback_first: bool = False,
     now: float | None = None,
+    entries: Sequence[Entry] | None = None,
+    peek: bool = False,
 ) -> CheckpointInfo:
     """``info`` with its state found out: for a published location, its ``.metadata`` is read and
     checked, its files listed against it, and a rollback marker read when the listing shows one.
@@ -223,11 +295,19 @@ def inspect_step(
             abandoned step; otherwise (listings) a broken checkpoint is ``"broken"`` and its marker
             is not read.
         now: the time ages are measured from (Unix seconds; default: now).
+        entries: the location's entries when the caller has them already (a root's recursive
+            listing, :func:`list_step_entries`): the location is not listed again.
+        peek: read the ``.metadata`` without torch
+            (:func:`~uc_checkpoint.format.metadata_peek.peek_metadata`: the same checks, with the
+            same messages, but for those of the items, which only a load acts on), for listings;
+            otherwise (and with ``allow_unsafe``) decode it fully
+            (:func:`uc_checkpoint.dcp.metadata_io.read_metadata`, which imports torch).
 
     Requests: with ``details`` a LIST of the location (plus its times where the store keeps them
     apart), then the ``.metadata`` GET; without, the GET then the LIST. A checkpoint whose data
-    files are spread over key prefixes costs one more LIST per prefix. A GET of the marker when
-    the listing shows one. None without ``details`` for an unpublished location.
+    files are spread over key prefixes costs one more LIST per prefix. No LIST with ``entries``.
+    A GET of the marker when the listing shows one. None for an unpublished location when the
+    listing (``details`` or ``entries``) says so.
 
     Raises:
         TransferError / VolumeError: a request failed (after ``retry``); never a state.
@@ -237,11 +317,13 @@ def inspect_step(
     mtimes: dict[str, float] = {}
     stamp = time.time() if now is None else now
     out = info
-    if details:
+    if details and entries is None:
         # Sizes and times, one listing (and one per spread prefix the location holds).
         entries = retry(f"list {info.name}", lambda: checkpoint_entries(location))
+    if entries is not None:
         files = {e.name: e.size for e in entries if e.size >= 0}
         mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
+    if details and files is not None:
         out = replace(out, **_counts(files, mtimes, stamp))
     if info.published is None and files is not None:
         out = replace(out, published=METADATA_NAME in files)  # the location's listing says it
@@ -249,7 +331,8 @@ def inspect_step(
         return replace(out, state="incomplete")
     try:
         metadata = retry(
-            f"read {info.name}/{METADATA_NAME}", lambda: read_metadata(location, allow_unsafe=allow_unsafe)
+            f"read {info.name}/{METADATA_NAME}",
+            lambda: _peek(location) if peek and not allow_unsafe else _decode(location, allow_unsafe),
         )
     except CorruptCheckpointError as exc:
         return replace(out, state="broken", problem=str(exc))
@@ -265,7 +348,7 @@ def inspect_step(
         # Only what the .metadata references is the checkpoint: a killed later save's data files
         # beside it stay until gc and made it look larger (and newer) than it is. Unreferenced is
         # gc's rule: names a save writes that this .metadata does not need.
-        own = {METADATA_NAME, ABANDONED_NAME, *data_file_names(metadata)}
+        own = {METADATA_NAME, ABANDONED_NAME, *metadata.file_names()}
         unreferenced = {
             n: size for n, size in files.items() if n not in own and is_checkpoint_file(n) and not is_claim(n)
         }
@@ -275,7 +358,7 @@ def inspect_step(
             unreferenced_files=len(unreferenced),
             unreferenced_bytes=sum(unreferenced.values()),
         )
-    manifest = manifest_of(metadata)
+    manifest = metadata.manifest
     damage = None if rollback_first else missing_or_short(location, metadata, files)
     if damage is not None:
         return replace(out, state="broken", problem=damage)
@@ -285,6 +368,36 @@ def inspect_step(
         return replace(out, state="abandoned", problem=marker, abandoned=True)
     damage = missing_or_short(location, metadata, files) if rollback_first else None
     return replace(out, state="broken" if damage else "complete", problem=damage, abandoned=False)
+
+
+def _peek(location: Volume) -> PeekedMetadata:
+    """What the ``.metadata`` at ``location`` references, read without torch (one GET).
+
+    Raises:
+        CheckpointNotFoundError: it does not exist (worded as
+            :func:`uc_checkpoint.dcp.metadata_io.read_metadata` words it).
+        UnsafeMetadataError / CorruptCheckpointError: see
+            :func:`~uc_checkpoint.format.metadata_peek.peek_metadata`.
+        TransferError / VolumeError: the store failed to return it.
+    """
+    raw = location.read_bytes(METADATA_NAME)
+    if raw is None:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {location.url}: {location.url_of(METADATA_NAME)} does not exist "
+            "(never saved, or the save did not finish)"
+        )
+    return peek_metadata(raw, location.url_of(METADATA_NAME))
+
+
+def _decode(location: Volume, allow_unsafe: bool) -> PeekedMetadata:
+    """What the ``.metadata`` at ``location`` references, decoded and checked in full (imports torch).
+
+    Raises:
+        as :func:`uc_checkpoint.dcp.metadata_io.read_metadata`.
+    """
+    from uc_checkpoint.dcp.metadata_io import read_metadata  # needs torch
+
+    return references_of(read_metadata(location, allow_unsafe=allow_unsafe))
 
 
 def _counts(counted: dict[str, int], mtimes: dict[str, float], now: float) -> dict[str, Any]:
@@ -298,16 +411,58 @@ def _counts(counted: dict[str, int], mtimes: dict[str, float], now: float) -> di
     }
 
 
-def scan(root: Volume, *, now: float | None = None) -> list[CheckpointInfo]:
-    """Every step location under ``root``, oldest first, each inspected with ``details`` (what
-    ``uc-checkpoint ls`` shows).
+def scan(root: Volume, *, check: str = "latest", now: float | None = None) -> list[CheckpointInfo]:
+    """Every step location under ``root``, oldest first, with sizes, file counts and ages (what
+    ``uc-checkpoint ls`` shows), from one recursive listing of the root (:func:`list_step_entries`).
+
+    Args:
+        check: which published checkpoints are inspected (:func:`inspect_step` with ``details``:
+            their ``.metadata`` read and their files checked against it), one of :data:`CHECKS`:
+            ``"latest"`` (default) newest first until one is complete, as :func:`latest` picks it,
+            so that the row of the checkpoint a resume loads, and of every newer one, says whether
+            it is intact; ``"all"`` every one, a few at a time (``READ_THREADS``); ``"none"`` none.
+            A published checkpoint not inspected has ``state`` None and counts every file a save
+            writes there but the claim (see :class:`CheckpointInfo`). Each ``.metadata`` is read
+            without torch (``inspect_step``'s ``peek``), so no mode imports torch.
+        now: the time ages are measured from (Unix seconds; default: now).
+
+    Requests: the listing's (on S3 one per 1,000 keys under the root), then per checkpoint
+    inspected a GET of its ``.metadata`` (and of its rollback marker when it has one): with
+    ``"latest"`` one in the usual case, however many checkpoints the root keeps.
 
     Raises:
-        TransferError / VolumeError: the root, a location or a ``.metadata`` cannot be read.
+        ValueError: ``check`` is not one of :data:`CHECKS`.
+        TransferError / VolumeError: the root or a ``.metadata`` cannot be read.
     """
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {', '.join(CHECKS)}; got {check!r}")
     stamp = time.time() if now is None else now
-    # The root's listing, then per location its own listing (which shows .metadata) and a GET.
-    return [inspect_step(root, info, details=True, now=stamp) for info in list_steps(root, published=False)]
+    listed = list_step_entries(root)
+    entries_of = {info.name: entries for info, entries in listed}
+    rows = {info.name: _as_listed(info, entries, stamp) for info, entries in listed}
+
+    def inspect(info: CheckpointInfo) -> CheckpointInfo:
+        return inspect_step(root, info, details=True, now=stamp, entries=entries_of[info.name], peek=True)
+
+    if check == "all":
+        for checked in in_parallel(inspect, [info for info, _entries in listed if info.published]):
+            rows[checked.name] = checked
+    elif check == "latest":
+        inspected: list[CheckpointInfo] = []
+        found = latest(root, infos=[info for info, _entries in listed], check=inspect, on_skip=inspected.append)
+        for checked in [*inspected, *([found] if found is not None else [])]:
+            rows[checked.name] = checked
+    return [rows[info.name] for info, _entries in listed]
+
+
+def _as_listed(info: CheckpointInfo, entries: Sequence[Entry], now: float) -> CheckpointInfo:
+    """``info`` with the counts its listing gives, without reading anything: every file for an
+    unpublished location, every file a save writes but the claim for a published one."""
+    files = {e.name: e.size for e in entries if e.size >= 0}
+    if info.published:
+        files = {n: size for n, size in files.items() if is_checkpoint_file(n) and not is_claim(n)}
+    mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
+    return replace(info, **_counts(files, mtimes, now))
 
 
 def latest(
@@ -368,28 +523,60 @@ def latest(
     return None
 
 
-# ---------------------------------------------------------------- kept for existing imports
-# (uc_checkpoint.checkpoints, the module this catalog absorbed, gave these two.)
+#: Name of the pointer file under a root: JSON ``{"step", "name", "location", "time"}``.
+POINTER_NAME = "latest"
 
 
-def list_checkpoints(root: Volume) -> list[tuple[int, str, bool]]:
-    """``(step, name, published)`` for every step location under ``root``, oldest first.
+def write_pointer(root: Volume, step: int) -> None:
+    """Write ``root``'s ``latest`` pointer file (:data:`POINTER_NAME`; one whole-file write, no
+    symlink: FUSE mounts often lack them): ``{"step": int, "name": "step_...", "location": URL,
+    "time": unix seconds}``. Tools may read it; :func:`latest` does not trust it and lists instead.
 
-    ``published`` is true when the location's ``.metadata`` exists: the save finished. New code uses
-    :func:`list_steps`, which gives :class:`CheckpointInfo` records.
+    Raises:
+        TransferError: the write failed.
     """
-    return [(info.step, info.name, bool(info.published)) for info in list_steps(root)]
+    name = checkpoint_name(step)
+    body = {"step": step, "name": name, "location": root.url_of(name), "time": time.time()}
+    root.publish_bytes(POINTER_NAME, (json.dumps(body) + "\n").encode(), overwrite=True)
 
 
-def latest_checkpoint(root: Volume) -> tuple[int, str] | None:
-    """``(step, name)`` of the newest published checkpoint under ``root``, or ``None``. It is not
-    checked to be intact: new code uses :func:`latest`, which does."""
-    found = latest(root, intact=False)
-    return None if found is None else (found.step, found.name)
+def read_pointer(root: Volume) -> dict[str, Any] | None:
+    """``root``'s ``latest`` pointer's content, or None when there is none or it is unreadable.
+
+    Raises:
+        TransferError / VolumeError: it could not be read.
+    """
+    raw = root.read_bytes(POINTER_NAME)
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def delete_checkpoint(location: Volume) -> None:
+    """Delete the checkpoint at ``location``: its ``.metadata`` first (a crash midway leaves an
+    unpublished location, never a published one with missing files), then every file there, those
+    in spread prefixes included, then the emptied directories.
+
+    Raises:
+        TransferError: a delete failed (what was deleted stays deleted).
+    """
+    location.delete(METADATA_NAME)
+    names = [name for name, size in checkpoint_files(location).items() if size >= 0]
+    for name in names:
+        location.delete(name)
+    remove_empty_spread_dirs(location, names)
+    location.remove_if_empty()
 
 
 __all__ = [
+    "POINTER_NAME",
+    "delete_checkpoint",
+    "read_pointer",
+    "write_pointer",
+    "CHECKS",
     "STATES",
+    "STEP_PREFIX",
     "CheckpointInfo",
     "Retry",
     "call_once",
@@ -398,10 +585,11 @@ __all__ = [
     "inspect_step",
     "is_published",
     "latest",
-    "latest_checkpoint",
-    "open_root",
-    "list_checkpoints",
+    "list_step_entries",
     "list_steps",
     "missing_or_short",
+    "open_root",
+    "references_of",
     "scan",
+    "step_of",
 ]

@@ -8,6 +8,10 @@ costs space. :func:`collect_garbage` removes it once it is older than a grace pe
 still in progress, whose files are recent, is never touched.
 
 Also available as ``uc-checkpoint gc ROOT [--grace-s S] [--dry-run]``.
+
+What a published checkpoint references is known only from its ``.metadata``, so ``gc`` reads every
+one (a few at a time); the rest comes from one recursive listing of the root and one listing of
+its multipart uploads, not from a request per checkpoint (docs/operating.md counts them).
 """
 
 from __future__ import annotations
@@ -19,13 +23,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from uc_checkpoint.dcp.metadata_io import data_file_names, read_metadata
-from uc_checkpoint.engine.listing import checkpoint_entries, remove_empty_spread_dirs
+from uc_checkpoint.engine.listing import checkpoint_entries, in_parallel, remove_empty_spread_dirs
 from uc_checkpoint.engine.staging_dir import default_staging_root
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file, is_claim
-from uc_checkpoint.ops.catalog import list_steps, open_root
-from uc_checkpoint.volumes import Volume
+from uc_checkpoint.ops.catalog import list_step_entries, open_root, step_of
+from uc_checkpoint.volumes import Entry, Volume
 
 logger = logging.getLogger(__name__)
 
@@ -54,37 +57,56 @@ class GCReport:
     dry_run: bool = False
 
 
+def _never_needed(name: str) -> bool:
+    """Whether ``name`` is a file a save writes (``is_checkpoint_file``) that no ``.metadata`` can
+    need: candidates of a published location are these, less what its ``.metadata`` references.
+    A rollback's marker belongs to the published checkpoint (uc_checkpoint.ops.lineage), and the
+    claim to the location (the next save's check reads it; format.layout)."""
+    return is_checkpoint_file(name) and name not in (METADATA_NAME, ABANDONED_NAME) and not is_claim(name)
+
+
+def _needed(location: Volume) -> set[str] | CorruptCheckpointError | CheckpointNotFoundError:
+    """The data files the published ``.metadata`` at ``location`` references (one GET), or why it
+    cannot say: undecodable, or gone since the listing. Only the names are kept, not the metadata.
+
+    Raises:
+        TransferError / VolumeError: the store failed to return it.
+    """
+    from uc_checkpoint.dcp.metadata_io import data_file_names, read_metadata  # needs torch
+
+    try:
+        return data_file_names(read_metadata(location))
+    except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+        return exc
+
+
 def _collect_location(
-    location: Volume, published: bool | None, cutoff: float, report: GCReport, remove_empty: bool = True
+    location: Volume,
+    entries: list[Entry],
+    needed: set[str] | CorruptCheckpointError | CheckpointNotFoundError | None,
+    cutoff: float,
+    report: GCReport,
+    remove_empty: bool = True,
 ) -> None:
+    """Collect one location from its listing (``entries``: sizes and times, spread prefixes
+    included) and, for a published one, what its ``.metadata`` references (``needed``: see
+    :func:`_needed`; None for an unpublished location)."""
     # Only names a save produces are ever candidates: a user's own files stay, whatever their age.
-    entries = checkpoint_entries(location)  # sizes and times: one listing, and one per spread prefix
     sizes = {e.name: e.size for e in entries if e.size >= 0 and is_checkpoint_file(e.name)}
     mtimes = {e.name: e.mtime for e in entries if not e.is_dir and e.mtime is not None}
-    if published is None:  # not looked up by the caller: the listing shows it
-        published = METADATA_NAME in sizes
-    if published:
-        try:
-            metadata = read_metadata(location)
-        except CorruptCheckpointError as exc:
-            # Unreadable metadata: we cannot tell which files it needs. Leave all of it for a human.
-            logger.warning("gc: leaving %s alone: %s", location.url, exc)
-            report.spared_locations.append(location.url)
-            return
-        except CheckpointNotFoundError:
-            # Unpublished since it was listed (retention, or a re-save on a mount that cannot
-            # replace files): its files are in motion; the next run sees what became of them.
-            logger.info("gc: leaving %s alone: its %s disappeared while collecting", location.url, METADATA_NAME)
-            report.spared_locations.append(location.url)
-            return
-        needed = data_file_names(metadata)
-        # A rollback's marker belongs to the published checkpoint (uc_checkpoint.ops.lineage), and
-        # the claim to the location (the next save's check reads it; format.layout).
-        candidates = {
-            n for n in sizes if n not in (METADATA_NAME, ABANDONED_NAME) and not is_claim(n) and n not in needed
-        }
-    else:
-        candidates = set(sizes)
+    if isinstance(needed, CorruptCheckpointError):
+        # Unreadable metadata: we cannot tell which files it needs. Leave all of it for a human.
+        logger.warning("gc: leaving %s alone: %s", location.url, needed)
+        report.spared_locations.append(location.url)
+        return
+    if isinstance(needed, CheckpointNotFoundError):
+        # Unpublished since it was listed (retention, or a re-save on a mount that cannot
+        # replace files): its files are in motion; the next run sees what became of them.
+        logger.info("gc: leaving %s alone: its %s disappeared while collecting", location.url, METADATA_NAME)
+        report.spared_locations.append(location.url)
+        return
+    published = needed is not None
+    candidates = set(sizes) if needed is None else {n for n in sizes if _never_needed(n) and n not in needed}
     if not candidates:
         return
     # A save in progress writes the candidates (it is what produces unreferenced files): spare the
@@ -101,6 +123,16 @@ def _collect_location(
         remove_empty_spread_dirs(location, candidates)
     if not published and not report.dry_run and remove_empty:
         location.remove_if_empty()
+
+
+def _upload_covered(name: str, root_is_location: bool) -> bool:
+    """Whether gc aborts an upload of ``name`` (relative to the root): a file of a step location
+    (directly in it, or a data file in one of its spread prefixes), or of the root itself when it
+    is one checkpoint location."""
+    top, sep, rest = name.partition("/")
+    if sep and step_of(top) is not None:
+        return "/" not in rest or is_checkpoint_file(rest)
+    return root_is_location and ("/" not in name or is_checkpoint_file(name))
 
 
 def _collect_staging(staging_root: Path, cutoff: float, report: GCReport) -> None:
@@ -148,9 +180,14 @@ def collect_garbage(
     Never deletes a ``.metadata``, a file it references, or a file whose name no save produces. Run it on one process (rank 0 or a
     cron job). Returns a :class:`GCReport`.
 
-    A store error (a listing, a ``HEAD`` or a ``.metadata`` read that fails after the client's
-    retries) stops the collection with that error before anything more is deleted: what a location
-    needs is never guessed from a store that did not answer.
+    A store error (a listing or a ``.metadata`` read that fails after the client's retries) stops
+    the collection with that error before anything is deleted: what a location needs is never
+    guessed from a store that did not answer.
+
+    Requests: a listing of the root itself and one recursive listing of its step locations (on S3
+    a request per 1,000 keys), a GET of each published ``.metadata`` (``READ_THREADS`` at a time),
+    one listing of the root's incomplete multipart uploads (none with ``dry_run``), and a request
+    per file deleted or upload aborted.
 
     Raises:
         ValueError: ``grace_s`` is negative.
@@ -163,17 +200,25 @@ def collect_garbage(
     volume = open_root(root, what="gc root", missing="is not a directory (it does not exist)")
     cutoff = time.time() - grace_s
     report = GCReport(dry_run=dry_run)
+    # Everything is listed and every .metadata read before the first delete.
     root_files = volume.list_files()
-    if any(is_checkpoint_file(n) for n in root_files):
+    is_location = any(is_checkpoint_file(n) for n in root_files)
+    todo: list[tuple[Volume, list[Entry], bool]] = []
+    if is_location:
         # The root is itself one checkpoint location (not a manager root of step_* locations).
-        _collect_location(volume, METADATA_NAME in root_files, cutoff, report, remove_empty=False)
-        if not dry_run:
-            report.aborted_uploads += volume.abort_incomplete_uploads(older_than_s=grace_s)
-    for info in list_steps(volume, published=False):  # each location's own listing says the rest
-        location = volume.child(info.name)
-        _collect_location(location, info.published, cutoff, report)
-        if not dry_run:
-            report.aborted_uploads += location.abort_incomplete_uploads(older_than_s=grace_s)
+        todo.append((volume, checkpoint_entries(volume), METADATA_NAME in root_files))
+    todo += [(volume.child(info.name), entries, bool(info.published)) for info, entries in list_step_entries(volume)]
+    published = [location for location, _entries, is_published in todo if is_published]
+    needed = dict(zip([location.url for location in published], in_parallel(_needed, published), strict=True))
+    for location, entries, is_published in todo:
+        what = needed[location.url] if is_published else None
+        _collect_location(location, entries, what, cutoff, report, remove_empty=location is not volume)
+    if not dry_run:
+        # One listing of the uploads under the root: those at its step locations (and at the root
+        # when it is a location itself).
+        report.aborted_uploads += volume.abort_incomplete_uploads(
+            older_than_s=grace_s, within=lambda name: _upload_covered(name, is_location)
+        )
     if include_staging:
         _collect_staging(Path(staging_dir) if staging_dir is not None else default_staging_root(), cutoff, report)
     logger.info(

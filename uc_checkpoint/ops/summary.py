@@ -1,7 +1,11 @@
 """What is under a checkpoint root and inside one checkpoint, without loading tensors: the
 ``uc-checkpoint ls`` and ``inspect`` verbs. What a location holds and whether it is intact is
 :mod:`uc_checkpoint.ops.catalog`'s, shared with ``CheckpointManager.latest()``. Works on every
-volume kind (local/FUSE paths, ``s3://``, fsspec URLs)."""
+volume kind (local/FUSE paths, ``s3://``, fsspec URLs).
+
+``ls`` reads the ``.metadata`` of each checkpoint it checks without torch (the catalog peeks at
+it: :func:`uc_checkpoint.format.metadata_peek.peek_metadata`), so it never imports torch; only
+``inspect``, which decodes a ``.metadata`` in full and loads the data-pipeline state, does."""
 
 from __future__ import annotations
 
@@ -12,10 +16,6 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
-from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.engine.listing import checkpoint_files
 from uc_checkpoint.errors import one_line
 from uc_checkpoint.format.layout import split_spread
@@ -39,18 +39,22 @@ class CheckpointSummary:
         location: its full path or URL.
         state: ``"complete"`` (published, every data file there with its size), ``"incomplete"``
             (no ``.metadata``: a save in progress or one that failed), ``"broken"`` (published but
-            a file is missing, short or the metadata unreadable; see ``problem``) or
+            a file is missing, short or the metadata unreadable; see ``problem``),
             ``"abandoned"`` (complete, but on a branch a rollback left: ``latest()`` skips it; see
-            :mod:`uc_checkpoint.ops.lineage`).
-        bytes: size of the checkpoint's own files, in bytes: for a published checkpoint whose
-            ``.metadata`` decodes, that ``.metadata``, its rollback marker if any and the data files
-            it references (as ``inspect`` counts them); otherwise every file at the location.
+            :mod:`uc_checkpoint.ops.lineage`) or ``"published"`` (a ``.metadata`` is there, but
+            the checkpoint was not checked: see :func:`list_root`'s ``check``).
+        bytes: size of the checkpoint's own files, in bytes: for a checked published checkpoint
+            whose ``.metadata`` decodes, that ``.metadata``, its rollback marker if any and the data
+            files it references (as ``inspect`` counts them); for an unchecked one every file a save
+            writes there but the claim (a failed later save's leftovers included); otherwise every
+            file at the location.
         files: number of data files counted in ``bytes``.
         age_s: seconds since the newest of those files was written (None when the store has no times).
         problem: what is wrong with a broken checkpoint (or which rollback abandoned it), else None.
         unreferenced_files: files a save writes that lie at a published checkpoint's location but
             that its ``.metadata`` does not reference (a killed later save's leftovers, removed by
-            ``uc-checkpoint gc`` once old, or a save in progress there); 0 where none or not known.
+            ``uc-checkpoint gc`` once old, or a save in progress there); 0 where none or not known
+            (a checkpoint not checked).
         unreferenced_bytes: their total size in bytes.
     """
 
@@ -66,16 +70,29 @@ class CheckpointSummary:
     unreferenced_bytes: int = 0
 
 
-def list_root(root: str | Volume) -> list[CheckpointSummary]:
-    """Every step location under ``root``, oldest first.
+def list_root(root: str | Volume, *, check: str = "latest") -> list[CheckpointSummary]:
+    """Every step location under ``root``, oldest first (what ``uc-checkpoint ls`` prints).
+
+    Args:
+        root: the checkpoint root: a path, URL or volume.
+        check: which published checkpoints are checked (their ``.metadata`` read and their files
+            compared with it; :func:`uc_checkpoint.ops.catalog.scan`): ``"latest"`` (default) the
+            newest until one is complete, the one ``CheckpointManager.latest()`` resumes from, so
+            every newer one shows whether it is broken or abandoned and every older one is
+            ``"published"``; ``"all"`` every one; ``"none"`` none (nothing but the listing read).
+
+    Requests: the root's recursive listing (S3: one per 1,000 keys under the root), plus one
+    ``.metadata`` GET per checkpoint checked: one, usually, with ``"latest"``; one per published
+    checkpoint, a few at a time, with ``"all"``.
 
     A checkpoint is ``"broken"`` only on evidence of damage (a missing or short file, an
     undecodable or unsafe ``.metadata``); a store that fails to answer is an error, never a state.
 
     Raises:
+        ValueError: ``check`` is not ``"none"``, ``"latest"`` or ``"all"``.
         VolumeError: a local root is missing or not a directory.
-        VolumeError / TransferError: the root, a location or a ``.metadata`` cannot be read (the
-            store's client has retried already).
+        VolumeError / TransferError: the root or a ``.metadata`` cannot be read (the store's client
+            has retried already).
     """
     volume = catalog.open_root(root)
     return [
@@ -83,7 +100,7 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
             step=info.step,
             name=info.name,
             location=volume.child(info.name).url,
-            state=info.state or "incomplete",
+            state=info.state or ("published" if info.published else "incomplete"),
             bytes=info.bytes or 0,
             files=info.files or 0,
             age_s=info.age_s,
@@ -92,7 +109,7 @@ def list_root(root: str | Volume) -> list[CheckpointSummary]:
             unreferenced_files=info.unreferenced_files or 0,
             unreferenced_bytes=info.unreferenced_bytes or 0,
         )
-        for info in catalog.scan(volume)
+        for info in catalog.scan(volume, check=check)
     ]
 
 
@@ -108,6 +125,10 @@ def describe_checkpoint(location: str | Volume, *, data_state: bool = True) -> d
         CheckpointNotFoundError: nothing is published at ``location``.
         CorruptCheckpointError: the ``.metadata`` is unreadable or unsafe.
     """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
+
     volume = location if isinstance(location, Volume) else open_volume(location)
     metadata = read_metadata(volume)
     items = []
@@ -155,6 +176,8 @@ def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[s
     """The data tracker's saved states (``TrackerStateful`` stores ``<key>.global_state``, a JSON
     text), summarised; an unreadable one is reported, not raised."""
     import torch.distributed.checkpoint as dcp
+
+    from uc_checkpoint.dcp.reader import UCVolumeReader
 
     keys = [i["key"] for i in items if i["kind"] == "bytes" and i["key"].endswith("global_state")]
     out: dict[str, Any] = {}

@@ -64,9 +64,6 @@ class Volume(ABC):
 
     Implementations must be picklable and cheap to construct: DCP's PROCESS mode pickles the storage
     writer (and so its volume) into a daemon process. Clients, sessions and pools are created lazily.
-
-    (Over 250 lines because it is the whole contract, each call with its errors; the code written
-    once here, the derived listings and the copy loop, is about 80 of them.)
     """
 
     #: The location's canonical URL or path, used in every error message.
@@ -164,6 +161,32 @@ class Volume(ABC):
             VolumeError / TransferError: as :meth:`_scan`.
         """
         return {e.name: e.mtime for e in self.list_entries() if not e.is_dir and e.mtime is not None}
+
+    def list_tree(self, prefix: str = "") -> list[Entry]:
+        """Every file below this location, at any depth, whose name relative to it starts with
+        ``prefix`` (``step_00000001/3a/__5_0123abcd_0.distcp`` for ``prefix="step_"``), with its
+        size and time; on stores with directories also the sub-locations on the way (names ending in
+        ``/``, size ``-1``). ``[]`` if the location does not exist. For listings that must not cost a
+        request per sub-location (``CheckpointManager.list()``, ``uc-checkpoint ls``, ``gc``).
+
+        Derived: a walk, one listing of this location and one of each sub-location that matches
+        (fsspec's ``walk``). Stores whose one listing can return every key below a prefix override
+        it (S3: one ``ListObjectsV2`` without delimiter, a request per 1,000 keys).
+
+        Raises:
+            VolumeError / TransferError: as :meth:`_scan`.
+        """
+        out: list[Entry] = []
+        pending: list[tuple[str, Volume]] = [("", self)]
+        while pending:
+            above, volume = pending.pop()
+            for entry in volume.list_entries():
+                name = above + entry.name
+                if name.startswith(prefix):
+                    out.append(Entry(name, entry.size, entry.mtime))
+                if entry.is_dir and (name.startswith(prefix) or prefix.startswith(name)):
+                    pending.append((name, volume.child(entry.name.rstrip("/"))))
+        return out
 
     def exists(self) -> bool:
         """Whether the location is there to hold checkpoints: ``False`` when it is missing, on stores
@@ -421,12 +444,20 @@ class Volume(ABC):
         object stores have nothing to remove once the files are gone."""
 
     def abort_incomplete_uploads(
-        self, older_than_s: float | None = None, keep: Callable[[str], bool] | None = None
+        self,
+        older_than_s: float | None = None,
+        keep: Callable[[str], bool] | None = None,
+        within: Callable[[str], bool] | None = None,
     ) -> int:
         """Abort uploads left unfinished at this location (S3 multipart uploads) that were started
         more than ``older_than_s`` seconds ago (all when None), except those of a file ``keep(name)``
         says to keep (``name`` relative to the location); return how many. Stores without such
-        state have nothing to do."""
+        state have nothing to do.
+
+        ``within(name)`` chooses the uploads the call covers (``name`` relative to this location, at
+        any depth, ``/``-separated); by default those of the files of this location itself, not of a
+        location below it. ``gc`` passes one that covers every checkpoint location under a root, so
+        that one listing of the uploads serves them all."""
         return 0
 
     def close(self) -> None:
