@@ -1,8 +1,7 @@
 """CPU memory for ``dcp.async_save``'s snapshots, kept from one save to the next (opt-in).
 
-A snapshot into new memory costs its page faults: on this project's test VM a 256 MiB copy took
-45-58 ms into new memory and 13-15 ms into memory already mapped; 32 MiB 6-8 ms against 1.5 ms
-(docs/benchmarks.md). :class:`StagingBuffers` keeps the tensors of the last snapshot after its save
+A snapshot into new memory costs its page faults, several times the copy into memory already
+mapped (docs/benchmarks-design.md, "Kept staging buffers"). :class:`StagingBuffers` keeps the tensors of the last snapshot after its save
 has serialised them, and the next snapshot of the same state copies into them: the time
 ``async_save`` blocks training drops to about a copy between mapped pages. The price is memory held
 between saves: one copy of the rank's state (what an async save holds while it runs anyway).

@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 #: The automatic data-file size (``file_size_bytes=None``): a rank's share of the checkpoint is cut
 #: into about this many files, so the first upload starts early and the last one is short, but the
-#: files stay between the two bounds (bytes) to keep request and object counts sane. With 64 MiB
-#: files a 242 MiB checkpoint published 1.26x later on S3 than with this rule (docs/benchmarks.md).
+#: files stay between the two bounds (bytes) to keep request and object counts sane
+#: (docs/benchmarks-design.md, "Data file size").
 AUTO_FILES_PER_RANK = 16
 MIN_AUTO_FILE_SIZE = 16 << 20
 MAX_AUTO_FILE_SIZE = 256 << 20
@@ -145,7 +145,7 @@ def file_queue(
         # the replicated scalars back, and one GET of a file smaller than a checksum block does
         # (scattered over the large files, each read widened to a 4 MiB block; dcp/planner.py).
         # Even where the share fits in one file: inside it, every other rank's load fetched whole
-        # blocks of rank 0's big file for a few scalars (1.51x the bytes, 32 MiB on 2 ranks).
+        # blocks of rank 0's big file for a few scalars (docs/benchmarks-design.md, "Small items").
         n_large = max(threads, math.ceil(sum(item_bytes(item) for item in large) / size), 1)
         buckets = [small, *(b for b in _split_by_size_and_type(n_large, large) if b)]
     else:

@@ -400,8 +400,8 @@ def fetch_files(
 
 def _new_buffer(nbytes: int) -> memoryview:
     """``nbytes`` of fresh writable memory, not yet touched: an anonymous map. ``bytearray(n)``
-    zero-fills its memory on the consumer's thread with the GIL held (7-27 ms per 16 MiB measured,
-    during which no further read was queued); a map's pages are zeroed by the kernel when the
+    zero-fills its memory on the consumer's thread with the GIL held, during which no further read
+    is queued (docs/benchmarks-design.md, "Read buffers"); a map's pages are zeroed by the kernel when the
     worker's receive first writes them, on the worker, without the GIL."""
     return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]
 

@@ -19,8 +19,8 @@ from uc_checkpoint.format.integrity import block_span
 
 T = TypeVar("T")
 
-#: Gap (bytes) below which two ranges of one file are fetched as one: ~1 MiB is what an object
-#: store serves in the time of one more request's first-byte latency (10-20 ms at 50-100 MB/s).
+#: Gap (bytes) below which two ranges of one file are fetched as one: about what an object store
+#: serves in the time of one more request's first-byte latency (docs/benchmarks-design.md, "Range gap").
 DEFAULT_GAP_BYTES = 1 << 20
 #: Largest merged range (bytes), unless one item alone is larger or the spans share a checksum block.
 DEFAULT_MAX_RANGE_BYTES = 64 << 20
@@ -95,8 +95,7 @@ def plan_ranges(
             if block and size is not None and hi <= size:
                 lo, hi = block_span(lo, hi, size, block)
             # Spans whose checksum blocks overlap are merged whatever the size: cut apart, the
-            # block they share was fetched twice, and each cut cost a GET (a 2 GiB load fetched
-            # 1.04x its bytes in 10 GETs per 128 MiB file instead of 8).
+            # block they share was fetched twice, and each cut cost a GET.
             if current is not None and (
                 lo < current.end
                 or (lo - current.end <= gap_bytes and max(hi, current.end) - current.start <= max_range_bytes)

@@ -16,9 +16,9 @@ Every data file gets, in one pass over its bytes:
 Only the bytes between consecutive block or part boundaries are run through :func:`crc32`, once;
 the block, part and whole-file CRC-32s are composed from those with :func:`crc32_combine` (zlib's
 ``crc32_combine``, which Python's zlib does not expose), so a file is checksummed in one pass, not
-one per kind. :func:`crc32` is Intel ISA-L's (the ``isal`` package: carry-less multiplication,
-26 GB/s here against zlib's 2.2, which made the CRC-32s a sixth of a load's client CPU), zlib's
-where ``isal`` does not install; both release the GIL on large buffers.
+one per kind. :func:`crc32` is Intel ISA-L's (the ``isal`` package: carry-less multiplication, an
+order of magnitude faster than zlib's; docs/benchmarks-design.md, "CRC-32"), zlib's where ``isal``
+does not install; both give the same results and release the GIL on large buffers.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from uc_checkpoint.errors import CorruptCheckpointError
 def _pick_crc32() -> Callable[[Any, int], int]:
     try:
         from isal import isal_zlib
-    except ImportError:  # no wheel for this platform: zlib's, same results, ~12x the CPU
+    except ImportError:  # no wheel for this platform: zlib's, same results, more CPU
         return zlib.crc32
     return isal_zlib.crc32
 

@@ -99,8 +99,6 @@ class LocalVolume(Volume):
     Args:
         path: the directory (it need not exist yet). ``~`` is expanded; relative paths are made
             absolute against the current directory when the volume is created.
-
-    (Over 250 lines for :meth:`publish_bytes`'s three fall-backs on FUSE mounts, each documented.)
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
