@@ -74,3 +74,17 @@ def test_work_is_taken_while_the_interpreter_exits(monkeypatch: pytest.MonkeyPat
     pool = Workers(2)
     assert pool.submit(sum, [1, 2, 3]).result(timeout=10) == 6
     pool.shutdown()
+
+
+def test_the_package_runs_no_thread_pool_of_concurrent_futures() -> None:
+    # Any ThreadPoolExecutor in a save's path would refuse work during the interpreter's exit.
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "uc_checkpoint"
+    found = [
+        f"{path.relative_to(package)}:{n}"
+        for path in sorted(package.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "ThreadPoolExecutor(" in line or "ProcessPoolExecutor(" in line
+    ]
+    assert not found, found

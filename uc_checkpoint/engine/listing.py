@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import Entry, Volume
+from uc_checkpoint.volumes.workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def checkpoint_entries(volume: Volume) -> list[Entry]:
     if len(spread) == 1:
         listings = [_below(volume, spread[0])]
     else:
-        with ThreadPoolExecutor(min(LISTING_THREADS, len(spread)), thread_name_prefix="uc-list") as pool:
+        with Workers(min(LISTING_THREADS, len(spread)), thread_name_prefix="uc-list") as pool:
             listings = list(pool.map(lambda d: _below(volume, d), spread))
     for found in listings:
         out.extend(found)
@@ -128,7 +128,7 @@ def in_parallel(fn: Callable[[T], R], items: Sequence[T], threads: int = READ_TH
     """
     if len(items) <= 1 or threads <= 1:
         return [fn(item) for item in items]
-    pool = ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="uc-read")
+    pool = Workers(min(threads, len(items)), thread_name_prefix="uc-read")
     try:
         futures = [pool.submit(fn, item) for item in items]
         return [fut.result() for fut in futures]

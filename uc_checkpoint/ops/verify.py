@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata, referenced_files
@@ -17,6 +16,7 @@ from uc_checkpoint.format.integrity import Digest, FileRecord
 from uc_checkpoint.format.layout import manifest_records
 from uc_checkpoint.ops.catalog import file_problems
 from uc_checkpoint.volumes import Volume, open_volume
+from uc_checkpoint.volumes.workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def verify_checkpoint(
         bad = file_problems(volume, metadata, checkpoint_files(volume))
         report.problems.extend(bad.values())
         to_read = [records[name] for name in sorted(referenced) if name not in bad and name in records]
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="uc-verify") as pool:
+        with Workers(max(1, workers), thread_name_prefix="uc-verify") as pool:
             futures = {pool.submit(_check_file, volume, r, progress): r for r in to_read}
             try:
                 for fut, record in futures.items():
