@@ -1,7 +1,7 @@
 """The checkpoint benchmark's cases (benchmarks/run.py, benchmarks/case.py) as pytest-benchmark
 tests: each case saves and loads a GPT-style state dict in a fresh process and verifies what it
 loaded. In the default test run (``--benchmark-disable``) each runs once at 8 MiB, so the harness
-cannot rot; ``./scripts/test.sh benchmarks/test_checkpoint_io.py --benchmark-enable --benchmark-only``
+cannot rot; ``./scripts/test.sh benchmarks/test_checkpoint_io.py -n 0 --benchmark-enable --benchmark-only``
 times them at ``UC_BENCH_MB`` (default 64). The full comparison with its report is
 ``./scripts/bench.sh``.
 

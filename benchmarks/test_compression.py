@@ -1,5 +1,5 @@
 """The compression benchmark (benchmarks/compression.py) runs and its figures hang together: in
-the default test run (``--benchmark-disable``) once at 8 MiB, so the harness cannot rot;
+the benchmarks' quick tests (``./scripts/test.sh benchmarks``) once at 8 MiB, so the harness cannot rot;
 ``python -m benchmarks.compression --size-mb N`` measures at size."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
   epoch, and ``extra_info["us_per_sample"]`` its median per sample. The difference per sample is what
   tracking adds (tagging in the worker, the tagged collate, the record in the main process).
 
-Run: ``./scripts/test.sh benchmarks/test_data_tracker_overhead.py --benchmark-enable --benchmark-only``
+Run: ``./scripts/test.sh benchmarks/test_data_tracker_overhead.py -n 0 --benchmark-enable --benchmark-only``
 (``UC_BENCH_SAMPLES`` sets the samples per epoch, default 20000).
 """
 

@@ -4,7 +4,7 @@ stock writer and reader do) against :class:`~uc_checkpoint.dcp.item_codec.ItemCo
 item (the tensors taken in turn), so pytest-benchmark's table is the per-item time, with its rounds
 and statistics.
 
-Run: ``./scripts/test.sh benchmarks/test_item_codec_speed.py --benchmark-enable --benchmark-only``
+Run: ``./scripts/test.sh benchmarks/test_item_codec_speed.py -n 0 --benchmark-enable --benchmark-only``
 (``UC_BENCH_ITEMS`` sets the distinct tensors cycled through, default 4096).
 """
 

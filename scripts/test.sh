@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --if-needed
-exec .venv/bin/python -m pytest "$@"
+# Two workers (most tests wait on a server or a process, not the CPU); the slowest tests are not
+# left for the end (worksteal). `-n 0` after it runs in this process (needed for `-s` output).
+exec .venv/bin/python -m pytest -n "${UC_TEST_WORKERS:-2}" --dist worksteal "$@"
