@@ -138,3 +138,19 @@ def test_the_package_reads_no_stack_frames_and_hands_no_gil_over_by_sleeping() -
         if path.parent.name in ("dcp", "engine") or path.name == "workers.py":  # the save path
             found += [f"{path.relative_to(PACKAGE)}: sleep" for _ in sleeps.finditer(text)]
     assert not found, found
+
+
+def test_overlapping_async_saves_each_record_their_own_location(tmp_path: Path) -> None:
+    # A save's finish reads storage_meta(); it must not take the staging of the save staged next.
+    writer = UCVolumeWriter(tmp_path / "base")
+    for rnd in range(15):
+        locs = [tmp_path / f"r{rnd}c{i}" for i in range(4)]
+        futs = [
+            dcp.async_save({"w": torch.full((4096,), float(i))}, storage_writer=writer, checkpoint_id=loc, no_dist=True)
+            for i, loc in enumerate(locs)
+        ]
+        for fut in futs:
+            fut.result(timeout=60)
+        for loc in locs:
+            meta = dcp.FileSystemReader(loc).read_metadata()
+            assert str(meta.storage_meta.checkpoint_id).endswith(loc.name), (loc, meta.storage_meta)

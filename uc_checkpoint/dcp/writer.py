@@ -371,8 +371,10 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         :mod:`uc_checkpoint.dcp.handover`); None for a synchronous save, on whatever thread. A
         staging taken here starts this thread's session at the location it was staged for."""
         mine = self._own_session()
-        if isinstance(mine, _SaveSession) and mine.staged is not None:
-            return mine.staged
+        if mine is not None:
+            # This thread's save has begun (DCP makes a thread per async save): a later hook, such
+            # as finish's storage_meta, must not take the next save's staging.
+            return mine.staged if isinstance(mine, _SaveSession) else None
         staged = self.handover.take()
         if staged is not None:
             session = self._new_session(staged.location, fresh=True)
