@@ -441,6 +441,30 @@ def test_a_write_reported_failed_that_landed_whole_is_a_publish(
         publish.publish_metadata(volume, ".metadata", mine, overwrite=True, read_manifest=_json_manifest)
 
 
+class _LandsThenFailsReads(_LandsThenAnswers):
+    """The write lands, its answer is lost, and reading ``.metadata`` back fails too (an outage)."""
+
+    answer = TransferError("read timeout on PUT .metadata")
+
+    def read_bytes(self, name: str) -> bytes | None:
+        if name == ".metadata":
+            raise TransferError("read timeout on GET .metadata")
+        return super().read_bytes(name)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_write_that_cannot_be_read_back_says_it_may_have_landed(
+    kind: str, tmp_path: Path, memory_root: str
+) -> None:
+    volume = make_volume(kind, tmp_path, memory_root, _LandsThenFailsReads)
+    volume.prepare_for_write()
+    with pytest.raises(TransferError, match=r"read timeout on PUT .*this publish may have landed: look before") as err:
+        publish.publish_metadata(
+            volume, ".metadata", _metadata("s-mine"), overwrite=True, read_manifest=_json_manifest
+        )
+    assert isinstance(err.value.__cause__, TransferError)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_claim_the_volume_did_not_keep_is_a_lost_write_not_another_save(
     kind: str, tmp_path: Path, memory_root: str

@@ -342,11 +342,18 @@ def publish_metadata(
     except TransferError as exc:
         # The write may have reached the store before its answer was lost for good: a publish that
         # took place must not be reported as failed, or a retry of the job meets its checkpoint.
-        if _landed_as(volume, name, blob):
+        whole = _landed_as(volume, name, blob)
+        if whole:
             logger.warning(
                 "publishing %s reported a failure, but it is on the volume whole: %s", volume.url_of(name), exc
             )
             return
+        if whole is None:
+            raise TransferError(
+                f"{exc}; reading {volume.url_of(name)} back failed as well, so this publish may have landed: "
+                "look before retrying (`uc-checkpoint ls`; a checkpoint there loads, and a retry with "
+                "overwrite=False would be refused by it)"
+            ) from exc
         raise
     if proved:
         return
@@ -375,13 +382,13 @@ def publish_metadata(
         )
 
 
-def _landed_as(volume: Volume, name: str, blob: bytes) -> bool:
-    """Whether ``name`` holds exactly ``blob`` now; False when it cannot be read (best effort: the
-    caller then reports the failure it had)."""
+def _landed_as(volume: Volume, name: str, blob: bytes) -> bool | None:
+    """Whether ``name`` holds exactly ``blob`` now; None when it cannot be read (the store is still
+    failing: the caller reports the write's own failure, saying the write may have landed)."""
     try:
         return volume.read_bytes(name) == blob
-    except Exception:  # noqa: BLE001 - the store is still failing: keep the write's own error
-        return False
+    except Exception:  # noqa: BLE001 - any read failure leaves the answer unknown
+        return None
 
 
 def _refuse_unless_mine(volume: Volume, name: str, blob: bytes, read_manifest: ManifestReader) -> None:
