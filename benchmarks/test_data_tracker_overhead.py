@@ -6,7 +6,10 @@
   ``IterableDataset`` and through :class:`TrackedDataLoader` (main process, and 2 persistent
   workers), batch 32, loaders built and workers started before timing; one benchmarked call is an
   epoch, and ``extra_info["us_per_sample"]`` its median per sample. The difference per sample is what
-  tracking adds (tagging in the worker, the tagged collate, the record in the main process).
+  tracking adds (tagging in the worker, the tagged collate, the record in the main process); the
+  tracked runs go with the exactly-once digest on (``raise``, the default) and ``off``, whose
+  difference is the digest's share (identities collected in the worker, hashed per batch in the
+  collate, added up in the main process).
 
 Run: ``./scripts/test.sh benchmarks/test_data_tracker_overhead.py -n 0 --benchmark-enable --benchmark-only``
 (``UC_BENCH_SAMPLES`` sets the samples per epoch, default 20000).
@@ -58,13 +61,17 @@ def test_record_per_sample(benchmark) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("tracked", [False, True], ids=["plain", "tracked"])
-def test_loader_epoch(benchmark, workers: int, tracked: bool) -> None:
+@pytest.mark.parametrize(
+    ("tracked", "exactly_once"),
+    [(False, "off"), (True, "off"), (True, "raise")],
+    ids=["plain", "tracked-digest-off", "tracked-digest-on"],
+)
+def test_loader_epoch(benchmark, workers: int, tracked: bool, exactly_once: str) -> None:
     """One epoch per round through a loader built once (persistent workers with 2 workers), so
     that process start-up and construction are not part of the figure."""
     persistent = workers > 0
     if tracked:
-        tracker = DataTracker(SHARDS, num_workers=workers)
+        tracker = DataTracker(SHARDS, num_workers=workers, exactly_once=exactly_once)
         loader = TrackedDataLoader(
             TrackedShardDataset(tracker, read_shard),
             batch_size=BATCH,

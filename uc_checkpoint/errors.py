@@ -63,8 +63,9 @@ class CorruptCheckpointError(UCCheckpointError):
 
 
 class DatasetMismatchError(UCCheckpointError, ValueError):
-    """A saved data-tracker state was written for a different dataset (shard names, sample counts or
-    order) than the one the tracker was built with. The message names the first shard that differs."""
+    """A saved data-tracker state was written for a different dataset (shard names, sample counts,
+    content fingerprints or order) than the one the tracker was built with. The message names the
+    first shard that differs (and both fingerprints when its content changed)."""
 
 
 class TrackerStateError(UCCheckpointError, ValueError):
@@ -80,6 +81,18 @@ class DataLoadingError(UCCheckpointError):
     batch-aligned tracker), or a loader iterator was used after the tracker's work was replaced
     (``start_epoch``, ``load_global_state``) or a newer iterator was started. The message names the
     shard or argument, or says which iterator to create instead."""
+
+
+class ExactlyOnceError(DataLoadingError):
+    """The end-of-epoch check found that the samples consumed in an epoch were not every sample
+    exactly once (``DataTracker(exactly_once="raise")``). The message says how many samples were
+    skipped or repeated and in which shards."""
+
+
+class DataFormatError(DataLoadingError, ValueError):
+    """A data shard cannot be read as the format its reader expects: truncated, not that format
+    (bad magic, header or footer), a dtype or sequence length that does not fit it, a line that is
+    not JSON, a cached index that does not describe it. The message names the file."""
 
 
 class ItemChecksumError(CorruptCheckpointError, ValueError):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -358,7 +360,7 @@ def test_allow_dataset_change_keeps_what_fits_and_warns(caplog):
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda s: s.update(format=2), "format 2"),
+        (lambda s: s.update(format=1), "format 1"),
         (lambda s: s.pop("format"), "format None"),
         (lambda s: s.pop("remaining"), "lacks"),
         (lambda s: s.update(remaining=[[0, 0, 5], [0, 3, 6]]), "overlap"),
@@ -366,6 +368,7 @@ def test_allow_dataset_change_keeps_what_fits_and_warns(caplog):
         (lambda s: s.update(remaining=[[0, 0, 99]]), "exceeds"),
         (lambda s: s.update(remaining=[[0, 2, 1]]), "bad remaining"),
         (lambda s: s.update(samples_consumed_in_epoch=s["samples_consumed_in_epoch"] + 1), "inconsistent"),
+        (lambda s: s.update(samples_consumed_in_epoch=s["samples_consumed_in_epoch"] + 1, digest=None), "inconsistent"),
     ],
 )
 def test_bad_states_are_rejected(mutate, match):
@@ -382,9 +385,9 @@ def test_bad_states_are_rejected(mutate, match):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _state_after_partial_epoch(per_shard: int) -> dict:
+def _state_after_partial_epoch(per_shard: int, **kw) -> dict:
     shards = make_shards([per_shard] * 6)
-    trackers = make_trackers(shards, world=3, nw=2, seed=1)
+    trackers = make_trackers(shards, world=3, nw=2, seed=1, **kw)
     for t in trackers:
         for w in range(t.config.workers_per_rank):
             t.record(w, t.samples_left(w) * (w + 1) // 3)  # uneven progress: 1/3 and 2/3 of each slice
@@ -392,8 +395,11 @@ def _state_after_partial_epoch(per_shard: int) -> dict:
 
 
 def test_state_size_does_not_grow_with_samples():
-    small = _state_after_partial_epoch(1_000)
-    huge = _state_after_partial_epoch(1_000_000_000)
+    # The digest of what was consumed is one entry per shard touched, whatever the samples.
+    assert len(_state_after_partial_epoch(1_000)["digest"]) <= 6
+    # Without it (recording a billion samples at once would hash them all), the rest of the state:
+    small = _state_after_partial_epoch(1_000, exactly_once="off")
+    huge = _state_after_partial_epoch(1_000_000_000, exactly_once="off")
     assert len(small["remaining"]) == len(huge["remaining"])
     assert len(huge["remaining"]) <= 6 + 3 * 2  # shards + consumers
     # Same structure; only the digits of the numbers differ.
@@ -416,7 +422,7 @@ def test_state_is_plain_json():
             return all(isinstance(k, str) and plain(v) for k, v in x.items())
         if isinstance(x, list):
             return all(plain(v) for v in x)
-        return type(x) in (int, str)
+        return type(x) in (int, str, bool) or x is None
 
     assert plain(state)
     assert set(state) == {
@@ -424,9 +430,11 @@ def test_state_is_plain_json():
         "fingerprint",
         "seed",
         "epoch",
+        "shuffle_within_shard",
         "remaining",
         "samples_consumed_in_epoch",
         "num_shards",
+        "digest",
         "shards",
     }
     assert json.loads(json.dumps(state)) == state
@@ -579,3 +587,33 @@ def test_worker_copy_follows_new_epochs_but_not_loads():
     main.load_global_state(other.global_state([other.local_state()]))
     assert main.work_from_checkpoint
     assert not worker.sync_from_main_process(main.epoch, main.assignment_id, [0, 0])
+
+
+def _worker_process_group(worker_id: int) -> None:
+    """A user's worker_init_fn: records that it ran, in the worker's own process group."""
+    assert os.getpgrp() == os.getpid(), "the worker should lead a process group of its own by now"
+    os.environ["UC_TEST_WORKER_INIT"] = str(worker_id)
+
+
+def _pgrp_sample(shard: ShardSpec, start: int, end: int) -> Iterator[tuple[int, int, str]]:
+    for _ in range(start, end):
+        yield os.getpgrp(), os.getpid(), os.environ.get("UC_TEST_WORKER_INIT", "")
+
+
+def test_loader_workers_leave_the_ranks_process_group_then_run_the_users_init() -> None:
+    """A launcher's SIGTERM to the rank's process group must not reach the workers (they would die
+    before the rank's final checkpoint); the user's worker_init_fn still runs, after that."""
+    from uc_checkpoint import TrackedDataLoader, TrackedShardDataset
+
+    tracker = DataTracker([ShardSpec("a", 4), ShardSpec("b", 4)], num_workers=2)
+    loader = TrackedDataLoader(
+        TrackedShardDataset(tracker, _pgrp_sample),
+        batch_size=None,
+        num_workers=2,
+        worker_init_fn=_worker_process_group,
+    )
+    seen = list(loader)
+    assert len(seen) == 8
+    for pgrp, pid, init in seen:
+        assert pgrp == pid != os.getpgrp()
+        assert init in ("0", "1")

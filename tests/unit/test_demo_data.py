@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from uc_checkpoint.data.readers import TokenReader
 from uc_checkpoint.demo import data
 from uc_checkpoint.demo.data import (
     INDEX_NAME,
     ShardInfo,
-    ShardReader,
     ShardSet,
     build_shards,
     read_corpus,
-    read_sample,
     samples_in_shard,
     split_sizes,
     stdlib_sources,
@@ -267,77 +264,29 @@ def test_samples_in_shard() -> None:
 
 
 @pytest.mark.parametrize("seq_len", [1, 127, 128, 1000])
-def test_sample_windows_match_corpus(built: ShardSet, corpus: bytes, seq_len: int) -> None:
+def test_the_token_reader_reads_the_shards_windows(built: ShardSet, corpus: bytes, seq_len: int) -> None:
+    """The demo reads its byte shards through the flat-token reader (uint8): sample j of a shard is
+    its j-th window of seq_len + 1 bytes, as the corpus has it."""
     width = seq_len + 1
+    reader = TokenReader(built.root, seq_len, dtype="uint8", files=[info.name for info in built.shards])
+    specs = reader.shards()
+    assert [s.num_samples for s in specs] == list(built.samples_per_shard(seq_len))
     offset = 0
     for shard, info in enumerate(built.shards):
         count = samples_in_shard(info.size, seq_len)
-        assert count == info.size // width
-        with ShardReader(built.path(shard), seq_len) as reader:
-            assert len(reader) == count
-            for j in sorted({0, 1, count // 2, count - 1}):
-                expected = torch.tensor(list(corpus[offset + j * width : offset + (j + 1) * width]), dtype=torch.int64)
-                got = read_sample(built.path(shard), j, seq_len)
-                assert got.dtype == torch.int64 and got.shape == (width,)
-                assert torch.equal(got, expected)
-                assert torch.equal(reader[j], expected)
+        assert specs[shard].num_samples == count == info.size // width
+        for j in sorted({0, 1, count // 2, count - 1}):
+            expected = np.frombuffer(corpus[offset + j * width : offset + (j + 1) * width], np.uint8)
+            (got,) = reader(specs[shard], j, j + 1)
+            assert got.dtype == np.int64 and got.shape == (width,)
+            assert np.array_equal(got, expected)
         offset += info.size
 
 
-def test_read_sample_bounds(built: ShardSet) -> None:
-    path = built.path(0)
-    count = samples_in_shard(built.shards[0].size, 128)
-    read_sample(path, count - 1, 128)  # last one is fine
-    with pytest.raises(IndexError):
-        read_sample(path, count, 128)
-    with pytest.raises(IndexError):
-        read_sample(path, -1, 128)
-    with pytest.raises(ValueError):
-        read_sample(path, 0, 0)
-    with pytest.raises(FileNotFoundError):
-        read_sample(built.root / "nope.bin", 0, 128)
-
-
-def test_read_sample_reads_only_the_window(built: ShardSet, monkeypatch: pytest.MonkeyPatch) -> None:
-    reads: list[int] = []
-    seeks: list[int] = []
-
-    class Spy(io.FileIO):
-        def read(self, size: int = -1) -> bytes:  # type: ignore[override]
-            reads.append(size)
-            return super().read(size)
-
-        def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-            seeks.append(pos)
-            return super().seek(pos, whence)
-
-    monkeypatch.setattr(data, "open", lambda path, mode: Spy(path, "r"), raising=False)
-    sample = read_sample(built.path(3), 5, 64)
-    assert sample.shape == (65,)
-    assert seeks == [5 * 65]
-    assert reads == [65]
-
-
-def test_shard_reader_batch_and_close(built: ShardSet) -> None:
-    reader = ShardReader(built.path(1), 32)
-    batch = reader.batch([0, 7, 3])
-    assert batch.shape == (3, 33) and batch.dtype == torch.int64
-    assert torch.equal(batch[1], read_sample(built.path(1), 7, 32))
-    assert reader.batch([]).shape == (0, 33)
-    with pytest.raises(IndexError):
-        reader[len(reader)]
-    reader.close()
-    with pytest.raises(ValueError):
-        reader[0]
-
-
-def test_shard_reader_empty_file(tmp_path: Path) -> None:
-    empty = tmp_path / "shard_00000.bin"
-    empty.write_bytes(b"")
-    reader = ShardReader(empty, 8)
-    assert len(reader) == 0
-    with pytest.raises(IndexError):
-        reader[0]
+def test_an_empty_shard_has_no_samples(tmp_path: Path) -> None:
+    (tmp_path / "shard_00000.bin").write_bytes(b"")
+    (spec,) = TokenReader(tmp_path, 8, dtype="uint8").shards()
+    assert spec.num_samples == 0
 
 
 def test_shard_info_is_frozen() -> None:

@@ -43,16 +43,28 @@ def check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One shard of the dataset: its name (unique id such as a path or URL) and how many raw samples
-    it holds."""
+    """One shard of the dataset: its name (unique id such as a path or URL), how many raw samples it
+    holds, and a fingerprint of its content version.
+
+    ``fingerprint`` identifies the bytes behind the name: for a local file ``"size=<bytes>,mtime_ns=<int>"``,
+    for an object ``"etag=<ETag>,size=<bytes>"`` (the readers fill it in from a stat or a HEAD); ``""``
+    means unknown, and then only the name and the count identify the shard. A known fingerprint
+    enters :func:`dataset_fingerprint`, so that a resume onto a shard whose content changed (same
+    name and count) is refused naming the shard and both fingerprints.
+    """
 
     name: str
     num_samples: int
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"ShardSpec.name must be a str, got {type(self.name).__name__}")
         check_int(self.num_samples, f"ShardSpec({self.name!r}).num_samples", minimum=0)
+        if not isinstance(self.fingerprint, str):
+            raise TypeError(
+                f"ShardSpec({self.name!r}).fingerprint must be a str, got {type(self.fingerprint).__name__}"
+            )
 
 
 @dataclass(frozen=True)
@@ -78,10 +90,12 @@ class Interval:
 
 
 def dataset_fingerprint(shards: Sequence[ShardSpec]) -> str:
-    """Hex sha256 over the shard names and sample counts, in order.
+    """Hex sha256 over the shard names, sample counts and known content fingerprints, in order.
 
-    Reordering, renaming, resizing, adding or removing a shard changes it. Each name is length-prefixed
-    so that no two different shard lists encode to the same bytes.
+    Reordering, renaming, resizing, adding or removing a shard, or changing a known
+    :attr:`ShardSpec.fingerprint`, changes it; a shard whose fingerprint is ``""`` adds only its name
+    and count. Names and fingerprints are length-prefixed so that no two different shard lists
+    encode to the same bytes.
     """
     h = hashlib.sha256(_FINGERPRINT_TAG)
     h.update(f"{len(shards)}\n".encode())
@@ -90,7 +104,12 @@ def dataset_fingerprint(shards: Sequence[ShardSpec]) -> str:
         name = shard.name.encode("utf-8", "surrogatepass")
         h.update(f"{len(name)}:".encode())
         h.update(name)
-        h.update(f":{shard.num_samples}\n".encode())
+        h.update(f":{shard.num_samples}".encode())
+        if shard.fingerprint:
+            content = shard.fingerprint.encode("utf-8", "surrogatepass")
+            h.update(f"|{len(content)}:".encode())
+            h.update(content)
+        h.update(b"\n")
     return h.hexdigest()
 
 
@@ -218,23 +237,33 @@ def assign(remaining: Sequence[Interval], num_consumers: int, batch_size: int = 
     return slices
 
 
-def assignment_id(fingerprint: str, epoch: int, num_consumers: int, batch_size: int, work: Iterable[Interval]) -> str:
-    """Short id (16 hex digits) of one cut of ``work``: the dataset, epoch, consumer count, batch size
-    and the work itself. Ranks compare it before merging progress, so that a local state taken from
-    another cut (another epoch, another loaded checkpoint, other batch sizes) is refused."""
+def assignment_id(
+    fingerprint: str,
+    epoch: int,
+    num_consumers: int,
+    batch_size: int,
+    work: Iterable[Interval],
+    shuffle_within_shard: bool = False,
+) -> str:
+    """Short id (16 hex digits) of one cut of ``work``: the dataset, epoch, consumer count, batch
+    size, whether shards are shuffled within, and the work itself. Ranks compare it before merging
+    progress, so that a local state taken from another cut (another epoch, another loaded
+    checkpoint, other batch sizes or shuffling) is refused."""
     h = hashlib.sha256(_ASSIGNMENT_TAG)
     h.update(f"{fingerprint}:{epoch}:{num_consumers}:{batch_size}:".encode())
+    if shuffle_within_shard:
+        h.update(b"shuffled:")
     for iv in work:
         h.update(f"{iv.shard},{iv.start},{iv.end};".encode())
     return h.hexdigest()[:16]
 
 
 def remap_to_dataset(
-    remaining: Sequence[Interval], saved_shards: Sequence[tuple[str, int]] | None, shards: Sequence[ShardSpec]
+    remaining: Sequence[Interval], saved_shards: Sequence[tuple[str, int, str]] | None, shards: Sequence[ShardSpec]
 ) -> tuple[list[Interval], int]:
     """Work saved for another version of the dataset, translated to ``shards``.
 
-    Intervals are matched by shard name when the saved ``[name, num_samples]`` list is known (the
+    Intervals are matched by shard name when the saved ``[name, num_samples, fingerprint]`` list is known (the
     ``k``-th copy of a name to the ``k``-th copy, for datasets that list a shard twice), else by
     index. Intervals of shards that are gone are dropped, those of shrunk shards clipped.
 
@@ -249,7 +278,7 @@ def remap_to_dataset(
             seen[s.name] = seen.get(s.name, 0) + 1
         saved_key: list[tuple[str, int]] = []
         seen.clear()
-        for name, _ in saved_shards:
+        for name, *_ in saved_shards:
             saved_key.append((name, seen.get(name, 0)))
             seen[name] = seen.get(name, 0) + 1
         target = [index_of.get(k) for k in saved_key]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from uc_checkpoint.data.digest import SampleDigest, ShardHasher
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
 from uc_checkpoint.errors import DataLoadingError, TrackerStateError
 
@@ -75,12 +77,14 @@ def _int64_to_id(value: int) -> str:
 
 @dataclass(frozen=True)
 class _Tagged:
-    """An item on its way from a worker: its worker and how many raw samples it accounts for (1, plus
-    any samples the transform dropped just before it)."""
+    """An item on its way from a worker: its worker, how many raw samples it accounts for (1, plus
+    any samples the transform dropped just before it) and their identities, ``[shard, sample index,
+    ...]`` (empty with ``exactly_once="off"``)."""
 
     worker: int
     count: int
     item: Any
+    ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -88,26 +92,51 @@ class _TaggedBatch:
     worker: int
     count: int
     batch: Any
+    digest: SampleDigest | None
 
 
 class _TaggingCollate:
-    """Runs in the worker: collates the items and sums their raw-sample counts. A class (not a
-    closure) so that it pickles for spawn-started workers."""
+    """Runs in the worker: collates the items, sums their raw-sample counts and hashes their sample
+    identities into a digest (``hasher`` None: no digest). A class (not a closure) so that it pickles
+    for spawn-started workers."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, batched: bool) -> None:
+    def __init__(
+        self, collate_fn: Callable[[list[Any]], Any] | None, batched: bool, hasher: ShardHasher | None
+    ) -> None:
         self.collate_fn = collate_fn
         self.batched = batched
+        self.hasher = hasher
 
     def __call__(self, items: Any) -> _TaggedBatch:
+        hasher = self.hasher
         if not self.batched:  # batch_size=None: one item at a time
             tagged: _Tagged = items
             item = tagged.item if self.collate_fn is None else self.collate_fn(tagged.item)
-            return _TaggedBatch(tagged.worker, tagged.count, item)
+            return _TaggedBatch(tagged.worker, tagged.count, item, hasher.digest_of(tagged.ids) if hasher else None)
         workers = {t.worker for t in items}
         if len(workers) != 1:  # a batch is built by one worker from its own iterator
             raise DataLoadingError(f"a batch mixed items of workers {sorted(workers)}")
         collate = self.collate_fn or default_collate
-        return _TaggedBatch(items[0].worker, sum(t.count for t in items), collate([t.item for t in items]))
+        digest = None
+        if hasher is not None:
+            ids: list[int] = []
+            for t in items:
+                ids += t.ids
+            digest = hasher.digest_of(ids)
+        return _TaggedBatch(items[0].worker, sum(t.count for t in items), collate([t.item for t in items]), digest)
+
+
+def _random_access(reader: Any) -> bool:
+    """Whether ``reader`` can read samples by index: a callable ``read_indices`` and no
+    ``random_access = False``."""
+    return callable(getattr(reader, "read_indices", None)) and getattr(reader, "random_access", True) is not False
+
+
+def _not_random_access(reader: Any) -> TypeError:
+    return TypeError(
+        f"shuffle_within_shard=True needs a random-access reader (read_indices(shard, indices), "
+        f"random_access=True); {reader!r} ({type(reader).__name__}) is not one"
+    )
 
 
 def _raising(exc: Exception) -> Iterator[Any]:
@@ -126,10 +155,23 @@ class TrackedShardDataset(IterableDataset):
             discarding. It must yield at least ``end - start`` items (extra ones are not read);
             fewer raises :class:`DataLoadingError` naming the shard. It runs in the worker processes,
             so it must pickle when workers are spawned.
+            With ``shuffle_within_shard`` the reader must also have ``read_indices(shard, indices)``
+            (yielding the samples at the given sample indices, in that order) and no
+            ``random_access = False``; each interval of positions is read through it, mapped by
+            :meth:`DataTracker.sample_indices`.
         transform: optional ``transform(sample)``, run in the worker; returning None drops the sample
             (its raw-sample count is carried by the next item, so that progress stays in raw samples).
+        sample_index: optional ``sample_index(sample) -> int``, the index within its shard of a sample
+            as the reader returned it (e.g. a field the reader fills in). Given, the exactly-once
+            digest hashes what the reader really returned, so that a reader that skips or repeats a
+            record is caught at the epoch's end; without it the digest hashes the index the worker
+            asked for, which checks the tracking (slices, resumes, records), not the reader.
 
     Iterating it outside :class:`TrackedDataLoader` yields tagged items; use the loader.
+
+    Raises:
+        TypeError: ``read_shard`` is not callable, or the tracker shuffles within shards and the
+            reader is not random-access (names the reader).
     """
 
     def __init__(
@@ -137,15 +179,20 @@ class TrackedShardDataset(IterableDataset):
         tracker: DataTracker,
         read_shard: ShardReaderFn,
         transform: Callable[[Any], Any] | None = None,
+        *,
+        sample_index: Callable[[Any], int] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(tracker, DataTracker):
             raise TypeError(f"tracker must be a DataTracker, got {type(tracker).__name__}")
         if not callable(read_shard):
             raise TypeError("read_shard must be callable: read_shard(shard, start, end) -> iterable of samples")
+        if tracker.config.shuffle_within_shard and not _random_access(read_shard):
+            raise _not_random_access(read_shard)
         self.tracker = tracker
         self.read_shard = read_shard
         self.transform = transform
+        self.sample_index = sample_index
         # [assignment id as int, epoch, consumed per worker...], in shared memory so that persistent
         # workers (forked or spawned) see the main process's updates.
         self._control = torch.zeros(2 + tracker.config.workers_per_rank, dtype=torch.int64).share_memory_()
@@ -191,17 +238,34 @@ class TrackedShardDataset(IterableDataset):
 
     def _read(self, tracker: DataTracker, worker: int) -> Iterator[_Tagged]:
         pending = 0  # raw samples read but not yet carried by a yielded item
+        ids: list[int] = []  # their identities: shard, index, shard, index, ...
+        collect = tracker.config.exactly_once != "off"
+        shuffled = tracker.config.shuffle_within_shard
+        if shuffled and not _random_access(self.read_shard):
+            raise _not_random_access(self.read_shard)
         for iv in tracker.consumer_slices(worker):
             shard = tracker.config.shards[iv.shard]
             got = 0
             if iv.size:
-                for sample in self.read_shard(shard, iv.start, iv.end):
+                indices = tracker.sample_indices(iv) if shuffled else None
+                if indices is not None:
+                    source = self.read_shard.read_indices(shard, indices)  # type: ignore[attr-defined]
+                else:
+                    source = self.read_shard(shard, iv.start, iv.end)
+                for sample in source:
+                    if collect:
+                        if self.sample_index is not None:
+                            index = self._checked_index(sample, shard)
+                        else:
+                            index = iv.start + got if indices is None else int(indices[got])
+                        ids += (iv.shard, index)
                     got += 1
                     pending += 1
                     item = sample if self.transform is None else self.transform(sample)
                     if item is not None:
-                        yield _Tagged(worker, pending, item)
+                        yield _Tagged(worker, pending, item, ids)
                         pending = 0
+                        ids = []
                     if got == iv.size:
                         break
             if got < iv.size:
@@ -211,6 +275,17 @@ class TrackedShardDataset(IterableDataset):
                 )
         # Samples dropped by the transform at the very end are accounted for when the loader's
         # iterator is exhausted (see TrackedDataLoader.__iter__).
+
+    def _checked_index(self, sample: Any, shard: ShardSpec) -> int:
+        """``sample_index(sample)``, checked to be an index of ``shard``."""
+        assert self.sample_index is not None
+        index = self.sample_index(sample)
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < shard.num_samples:
+            raise DataLoadingError(
+                f"sample_index() returned {index!r} for a sample of shard {shard.name!r}, which has "
+                f"{shard.num_samples} samples"
+            )
+        return index
 
 
 class TrackerStateful:
@@ -364,9 +439,25 @@ class _TrackedIterator:
                 left = tracker.samples_left(w)
                 if left:
                     tracker.record(w, left)
+            if tracker.config.world_size == 1:
+                tracker.epoch_done()  # the one rank has finished the epoch: the exactly-once check runs
             raise
-        tracker.record(tagged.worker, tagged.count)
+        tracker.record(tagged.worker, tagged.count, tagged.digest)
         return tagged.batch
+
+
+class _OwnProcessGroup:
+    """A DataLoader ``worker_init_fn``: the worker leaves the rank's process group, then runs
+    ``then(worker_id)`` if given (see :class:`TrackedDataLoader`). Picklable for spawned workers."""
+
+    def __init__(self, then: Callable[[int], Any] | None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        if hasattr(os, "setpgrp"):  # POSIX
+            os.setpgrp()
+        if self.then is not None:
+            self.then(worker_id)
 
 
 class TrackedDataLoader:
@@ -402,6 +493,12 @@ class TrackedDataLoader:
     ``drop_last=True`` drops each worker's last partial batch. It needs a tracker built with
     ``batch_size=`` the loader's batch size, which cuts the work in whole batches so that an epoch
     drops the same ``total % batch_size`` samples whether or not it was interrupted and resumed.
+
+    Workers leave the rank's process group as they start (``os.setpgrp``, before any
+    ``worker_init_fn`` given): a launcher that stops a rank signals its whole process group
+    (torchrun forwards SIGTERM, the preemption notice, that way), and workers killed by it fail the
+    rank's next batch before the rank can take its final checkpoint. They still end with the rank
+    (the DataLoader's own watchdog and shutdown).
 
     Unless ``generator=`` is given, the loader gets a private ``torch.Generator`` seeded from the
     tracker's seed: a plain DataLoader draws from torch's global RNG at every new iterator, so
@@ -456,7 +553,16 @@ class TrackedDataLoader:
             # global RNG at every new iterator, which shifts dropout etc. by where iterators happen
             # to be created: a resumed run (new iterator after the RNG was restored) would diverge.
             loader_kwargs["generator"] = torch.Generator().manual_seed(dataset.tracker.config.seed)
-        self._loader_kwargs = dict(loader_kwargs, collate_fn=_TaggingCollate(collate_fn, batched))
+        hasher = (
+            None
+            if dataset.tracker.config.exactly_once == "off"
+            else ShardHasher([s.name for s in dataset.tracker.config.shards])
+        )
+        self._loader_kwargs = dict(
+            loader_kwargs,
+            collate_fn=_TaggingCollate(collate_fn, batched, hasher),
+            worker_init_fn=_OwnProcessGroup(loader_kwargs.get("worker_init_fn")),
+        )
         self._persistent = bool(loader_kwargs.get("persistent_workers", False))
         self._loader: Any = None
         self._workers_load_count = 0  # tracker.load_count when the persistent workers were started

@@ -2,18 +2,20 @@
 check a loaded one goes through; :func:`merge_local_states` checks the per-rank progress gathered for
 a save.
 
-The saved dict (format 1, written by :meth:`TrackerState.to_dict`; the JSON text a checkpoint holds
+The saved dict (format 2, written by :meth:`TrackerState.to_dict`; the JSON text a checkpoint holds
 is this dict, so its keys, their order and their values must not change within a format)::
 
-    {"format": 1,
+    {"format": 2,
      "fingerprint": str,                   # dataset_fingerprint() of the dataset
      "seed": int, "epoch": int,            # shard-order seed, current epoch
-     "remaining": [[shard, start, end], ...],   # stream order; [] when the epoch is finished
+     "shuffle_within_shard": bool,         # positions map to samples through ShardPermutation
+     "remaining": [[shard, start, end], ...],   # positions, stream order; [] when the epoch is finished
      "samples_consumed_in_epoch": int,
      "num_shards": int,
-     "shards": [[name, num_samples], ...]}      # optional
+     "digest": [[shard, count, hex], ...] | None,   # SampleDigest of what the epoch consumed; None: unchecked
+     "shards": [[name, num_samples, fingerprint], ...]}   # optional
 
-Every value is a plain int, string or list (JSON-serialisable). A malformed state raises
+Every value is a plain bool, int, string, list or None (JSON-serialisable). A malformed state raises
 :class:`~uc_checkpoint.errors.TrackerStateError` (a ``ValueError`` too), whose message names the field.
 """
 
@@ -23,16 +25,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from uc_checkpoint.data.digest import DigestReport, SampleDigest, ShardHasher, check_digest
 from uc_checkpoint.data.intervals import Interval, ShardSpec, check_int, dataset_fingerprint, total_size
+from uc_checkpoint.data.shuffle import ShardPermutation
 from uc_checkpoint.errors import TrackerStateError
 
 #: Version of the dict :meth:`TrackerState.to_dict` writes (and ``DataTracker.global_state`` returns).
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 
 #: Keys every saved state has (``shards`` is optional).
 STATE_KEYS = frozenset(
-    {"format", "fingerprint", "seed", "epoch", "remaining", "samples_consumed_in_epoch", "num_shards"}
+    {
+        "format",
+        "fingerprint",
+        "seed",
+        "epoch",
+        "shuffle_within_shard",
+        "remaining",
+        "samples_consumed_in_epoch",
+        "num_shards",
+        "digest",
+    }
 )
+
+#: A saved shard: ``(name, num_samples, fingerprint)``.
+SavedShard = tuple[str, int, str]
 
 
 def state_int(value: Any, field: str, *, minimum: int | None = None) -> int:
@@ -50,9 +69,13 @@ def state_int(value: Any, field: str, *, minimum: int | None = None) -> int:
 class TrackerState:
     """One saved data-tracker state, topology-free (see the module docs for its dict).
 
-    ``remaining`` is the epoch's unconsumed work in stream order; ``shards`` the dataset's
-    ``(name, num_samples)`` list when it was saved with it, else None. :meth:`from_dict` checks the
-    state on its own; :meth:`check_fits` checks it against the dataset its fingerprint names.
+    ``remaining`` is the epoch's unconsumed work in stream order (positions; with
+    ``shuffle_within_shard`` they map to sample indices through
+    :class:`~uc_checkpoint.data.shuffle.ShardPermutation`); ``shards`` the dataset's
+    ``(name, num_samples, fingerprint)`` list when it was saved with it, else None; ``digest`` the
+    :class:`~uc_checkpoint.data.digest.SampleDigest` of the samples the epoch consumed, or None when
+    the epoch cannot be checked. :meth:`from_dict` checks the state on its own; :meth:`check_fits`
+    checks it against the dataset its fingerprint names.
     """
 
     fingerprint: str
@@ -61,21 +84,25 @@ class TrackerState:
     remaining: tuple[Interval, ...]
     samples_consumed_in_epoch: int
     num_shards: int
-    shards: tuple[tuple[str, int], ...] | None = None
+    shards: tuple[SavedShard, ...] | None = None
+    shuffle_within_shard: bool = False
+    digest: SampleDigest | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The saved form (plain ints, strings and lists; key order as format 1 has always had it)."""
+        """The saved form (plain values; key order as the module docs show it)."""
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "fingerprint": self.fingerprint,
             "seed": self.seed,
             "epoch": self.epoch,
+            "shuffle_within_shard": self.shuffle_within_shard,
             "remaining": [[iv.shard, iv.start, iv.end] for iv in self.remaining],
             "samples_consumed_in_epoch": self.samples_consumed_in_epoch,
             "num_shards": self.num_shards,
+            "digest": None if self.digest is None else self.digest.to_list(),
         }
         if self.shards is not None:
-            state["shards"] = [[name, n] for name, n in self.shards]
+            state["shards"] = [[name, n, fp] for name, n, fp in self.shards]
         return state
 
     @classmethod
@@ -85,15 +112,16 @@ class TrackerState:
         Raises:
             TrackerStateError: ``state`` is not a dict, has another ``format``, a missing or unknown
                 key, a field of the wrong type or out of range, a shard list that does not match
-                ``num_shards``, or remaining work that overlaps, is out of stream order, names a shard
-                that does not exist or exceeds its shard. The message names the field.
+                ``num_shards``, remaining work that overlaps, is out of stream order, names a shard
+                that does not exist or exceeds its shard, or a digest that is malformed or does not
+                count ``samples_consumed_in_epoch`` samples. The message names the field.
         """
         if not isinstance(state, dict):
             raise TrackerStateError(f"data tracker state must be a dict, got {type(state).__name__}")
         fmt = state.get("format")
-        if type(fmt) is not int or fmt != STATE_FORMAT:  # not True or 1.0, which compare equal to 1
+        if type(fmt) is not int or fmt != STATE_FORMAT:  # not True or 2.0, which compare equal to ints
             raise TrackerStateError(
-                f"unsupported data tracker state format {fmt!r}: this version reads format {STATE_FORMAT}"
+                f"unsupported data tracker state format {fmt!r}: this version reads format {STATE_FORMAT} only"
             )
         missing = STATE_KEYS - state.keys()
         if missing:
@@ -115,13 +143,34 @@ class TrackerState:
             raise TrackerStateError(
                 f"data tracker state: fingerprint must be a str, got {type(fingerprint).__name__} {fingerprint!r}"
             )
+        shuffle = state["shuffle_within_shard"]
+        if not isinstance(shuffle, bool):
+            raise TrackerStateError(
+                f"data tracker state: shuffle_within_shard must be a bool, got {type(shuffle).__name__} {shuffle!r}"
+            )
         shards = _parse_shard_list(state.get("shards"), num_shards)
         remaining = _parse_remaining(state["remaining"], num_shards, shards)
-        return cls(fingerprint, seed, epoch, tuple(remaining), consumed, num_shards, shards)
+        digest = None
+        if state["digest"] is not None:
+            digest = SampleDigest.from_list(state["digest"], num_shards, "digest")
+            if digest.count() != consumed:
+                raise TrackerStateError(
+                    f"data tracker state is inconsistent: its digest counts {digest.count()} samples but "
+                    f"samples_consumed_in_epoch is {consumed}"
+                )
+        return cls(fingerprint, seed, epoch, tuple(remaining), consumed, num_shards, shards, shuffle, digest)
+
+    def same_dataset(self, shards: Sequence[ShardSpec]) -> bool:
+        """Whether the state was saved for ``shards``: the same fingerprint, or (with the shard list)
+        the same names and counts in the same order and the same content fingerprint wherever both
+        sides know one (``""`` is unknown)."""
+        if self.fingerprint == dataset_fingerprint(shards):
+            return True
+        return self.shards is not None and _first_difference(self.shards, shards) is None
 
     def check_fits(self, shards: Sequence[ShardSpec]) -> None:
-        """Check a state whose fingerprint is that of ``shards`` against them: its own description of
-        the dataset must agree, or the state is corrupt.
+        """Check a state saved for ``shards`` (:meth:`same_dataset`) against them: its own
+        description of the dataset must agree, or the state is corrupt.
 
         Raises:
             TrackerStateError: ``num_shards`` or the shard list disagree with ``shards``, remaining
@@ -132,7 +181,7 @@ class TrackerState:
                 f"data tracker state is corrupt: num_shards is {self.num_shards} but its fingerprint "
                 f"is that of this dataset of {len(shards)} shards"
             )
-        if self.shards is not None and list(self.shards) != [(sh.name, sh.num_samples) for sh in shards]:
+        if self.shards is not None and _first_difference(self.shards, shards) is not None:
             raise TrackerStateError(
                 "data tracker state is corrupt: its shards list disagrees with its fingerprint, which "
                 "is that of this dataset"
@@ -153,50 +202,101 @@ class TrackerState:
 
     def describe_difference(self, shards: Sequence[ShardSpec]) -> str:
         """How the dataset the state was saved for differs from ``shards``, for an error or warning:
-        the shard counts, the first differing shard (when the state has the shard list) and both
-        fingerprints (abbreviated)."""
+        the shard counts, the first differing shard (when the state has the shard list; with both
+        content fingerprints when only the content changed) and both dataset fingerprints
+        (abbreviated)."""
         now = len(shards)
         parts = []
         if self.num_shards != now:
             parts.append(f"number of shards: checkpoint {self.num_shards}, now {now}")
         if self.shards is not None:
-            current = [(s.name, s.num_samples) for s in shards]
-            for i in range(max(len(self.shards), len(current))):
-                old = self.shards[i] if i < len(self.shards) else None
-                new = current[i] if i < len(current) else None
-                if old != new:
+            diff = _first_difference(self.shards, shards)
+            if diff is not None:
+                i, old, new = diff
+                if old is not None and new is not None and old[:2] == new[:2]:
+                    parts.append(
+                        f"shard {i} {old[0]!r} ({old[1]} samples) changed content: checkpoint fingerprint "
+                        f"{old[2]!r}, now {new[2]!r}"
+                    )
+                else:
                     parts.append(f"first difference at shard {i}: checkpoint had {_show(old)}, now {_show(new)}")
-                    break
         elif self.num_shards == now:
             parts.append(
-                f"same number of shards ({now}) but different names, sizes or order (the state has no "
-                "shard list to say which)"
+                f"same number of shards ({now}) but different names, sizes, contents or order (the state "
+                "has no shard list to say which)"
             )
         parts.append(f"fingerprint {self.fingerprint[:12]}... vs {dataset_fingerprint(shards)[:12]}...")
         return "; ".join(parts)
 
+    def remaining_indices(self, shards: Sequence[tuple[str, int]]) -> dict[int, list[np.ndarray]]:
+        """Per shard, the sample indices the remaining work reads (its positions mapped through the
+        epoch's :class:`~uc_checkpoint.data.shuffle.ShardPermutation` when shuffled); ``shards``
+        gives ``(name, num_samples)`` of every shard."""
+        out: dict[int, list[np.ndarray]] = {}
+        for iv in self.remaining:
+            name, size = shards[iv.shard][0], shards[iv.shard][1]
+            if self.shuffle_within_shard:
+                part = ShardPermutation(self.seed, self.epoch, name, size).indices(iv.start, iv.end)
+            else:
+                part = np.arange(iv.start, iv.end, dtype=np.int64)
+            out.setdefault(iv.shard, []).append(part)
+        return out
 
-def _show(entry: tuple[str, int] | None) -> str:
-    return "no shard" if entry is None else f"{entry[0]!r} ({entry[1]} samples)"
+    def check_digest(self) -> DigestReport | None:
+        """Whether the digest checks out so far: every sample the state counts as consumed was
+        consumed exactly once (hashes the whole dataset once, ``O(samples)``). None when the state has
+        no digest or no shard list (whose names the hashes are keyed by)."""
+        if self.digest is None or self.shards is None:
+            return None
+        hasher = ShardHasher([name for name, _n, _fp in self.shards])
+        sizes = [n for _name, n, _fp in self.shards]
+        return check_digest(hasher, sizes, self.digest, self.remaining_indices([(n, k) for n, k, _fp in self.shards]))
 
 
-def _parse_shard_list(raw: Any, num_shards: int) -> tuple[tuple[str, int], ...] | None:
+def _first_difference(
+    saved: Sequence[SavedShard], shards: Sequence[ShardSpec]
+) -> tuple[int, SavedShard | None, SavedShard | None] | None:
+    """``(index, saved entry, current entry)`` of the first shard that differs (names, counts, or
+    content fingerprints both sides know), or None."""
+    current = [(s.name, s.num_samples, s.fingerprint) for s in shards]
+    for i in range(max(len(saved), len(current))):
+        old = saved[i] if i < len(saved) else None
+        new = current[i] if i < len(current) else None
+        if old is None or new is None or old[:2] != new[:2] or (old[2] and new[2] and old[2] != new[2]):
+            return i, old, new
+    return None
+
+
+def _show(entry: SavedShard | None) -> str:
+    if entry is None:
+        return "no shard"
+    return f"{entry[0]!r} ({entry[1]} samples{f', fingerprint {entry[2]!r}' if entry[2] else ''})"
+
+
+def _parse_shard_list(raw: Any, num_shards: int) -> tuple[SavedShard, ...] | None:
     if raw is None:
         return None
     if not isinstance(raw, list) or len(raw) != num_shards:
         raise TrackerStateError(
-            f"data tracker state: 'shards' must list num_shards={num_shards} [name, num_samples] pairs, "
-            f"got {type(raw).__name__}{f' of {len(raw)}' if isinstance(raw, list) else ''}"
+            f"data tracker state: 'shards' must list num_shards={num_shards} [name, num_samples, fingerprint] "
+            f"triples, got {type(raw).__name__}{f' of {len(raw)}' if isinstance(raw, list) else ''}"
         )
-    out: list[tuple[str, int]] = []
+    out: list[SavedShard] = []
     for i, item in enumerate(raw):
-        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str):
-            raise TrackerStateError(f"data tracker state: shards[{i}] is {item!r}, not [name, num_samples]")
-        out.append((item[0], state_int(item[1], f"shards[{i}] ({item[0]!r}) num_samples", minimum=0)))
+        if (
+            not isinstance(item, (list, tuple))
+            or len(item) != 3
+            or not isinstance(item[0], str)
+            or not isinstance(item[2], str)
+        ):
+            raise TrackerStateError(
+                f"data tracker state: shards[{i}] is {item!r}, not [name, num_samples, fingerprint]"
+            )
+        out.append((item[0], state_int(item[1], f"shards[{i}] ({item[0]!r}) num_samples", minimum=0), item[2]))
     return tuple(out)
 
 
-def _parse_remaining(raw: Any, num_shards: int, saved_shards: Sequence[tuple[str, int]] | None) -> list[Interval]:
+def _parse_remaining(raw: Any, num_shards: int, saved_shards: Sequence[SavedShard] | None) -> list[Interval]:
     if not isinstance(raw, list):
         raise TrackerStateError(
             f"data tracker state: 'remaining' must be a list of [shard, start, end], got {type(raw).__name__}"
@@ -253,22 +353,26 @@ def merge_local_states(
     epoch: int,
     assignment: str,
     slice_sizes: Sequence[int],
-) -> list[int]:
-    """The consumed counts of all ``world_size * workers_per_rank`` consumers, in consumer order, from
-    every rank's ``DataTracker.local_state()`` (``{"rank", "consumed", "epoch", "assignment"}``),
-    checked against the merging rank's ``epoch``, ``assignment`` id and ``slice_sizes``.
+    num_shards: int,
+) -> tuple[list[int], SampleDigest | None]:
+    """The consumed counts of all ``world_size * workers_per_rank`` consumers, in consumer order, and
+    the sum of the ranks' digests (None when a rank sent none), from every rank's
+    ``DataTracker.local_state()`` (``{"rank", "consumed", "epoch", "assignment", "digest"}``), checked
+    against the merging rank's ``epoch``, ``assignment`` id, ``slice_sizes`` and ``num_shards``.
 
     Raises:
         TrackerStateError: a local state is malformed, missing, doubled, describes another epoch or
-            assignment, or counts more samples than its consumer's slice holds.
+            assignment, counts more samples than its consumer's slice holds, or has a malformed
+            digest or one that does not count the rank's consumed samples.
     """
     if len(local_states) != world_size:
         raise TrackerStateError(
             f"global_state() needs the local state of all {world_size} ranks, got {len(local_states)}"
         )
     per_rank: dict[int, list[int]] = {}
+    digest: SampleDigest | None = SampleDigest()
     for st in local_states:
-        if not isinstance(st, dict) or not {"rank", "consumed", "epoch", "assignment"} <= st.keys():
+        if not isinstance(st, dict) or not {"rank", "consumed", "epoch", "assignment", "digest"} <= st.keys():
             raise TrackerStateError(f"not a DataTracker.local_state(): {st!r}")
         r = state_int(st["rank"], "local state rank", minimum=0)
         if r >= world_size:
@@ -280,7 +384,7 @@ def merge_local_states(
                 f"rank {r}'s local state is from epoch {st['epoch']} / assignment {st['assignment']}, "
                 f"this rank is at epoch {epoch} / assignment {assignment}: every rank must "
                 "call start_epoch/load_global_state alike (and build its tracker with the same "
-                "num_workers and batch_size) before the states are gathered"
+                "num_workers, batch_size and shuffle_within_shard) before the states are gathered"
             )
         consumed = st["consumed"]
         if not isinstance(consumed, list) or len(consumed) != workers_per_rank:
@@ -293,8 +397,18 @@ def merge_local_states(
             state_int(k, f"rank {r} worker {w} consumed", minimum=0)
             if k > size:
                 raise TrackerStateError(f"rank {r} worker {w} consumed {k} samples of a {size}-sample slice")
+        if st["digest"] is None:
+            digest = None
+        else:
+            part = SampleDigest.from_list(st["digest"], num_shards, f"rank {r} digest")
+            if part.count() != sum(consumed):
+                raise TrackerStateError(
+                    f"rank {r}'s local digest counts {part.count()} samples but its workers consumed {sum(consumed)}"
+                )
+            if digest is not None:
+                digest.merge(part)
         per_rank[r] = consumed
-    return [k for r in range(world_size) for k in per_rank[r]]
+    return [k for r in range(world_size) for k in per_rank[r]], digest
 
 
-__all__ = ["STATE_FORMAT", "STATE_KEYS", "TrackerState", "merge_local_states", "state_int"]
+__all__ = ["STATE_FORMAT", "STATE_KEYS", "SavedShard", "TrackerState", "merge_local_states", "state_int"]

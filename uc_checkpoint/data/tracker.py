@@ -21,9 +21,12 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from uc_checkpoint.data.config import TrackerConfig
+from uc_checkpoint.data.digest import EpochLedger, SampleDigest, ShardHasher, check_digest, enforce
 from uc_checkpoint.data.intervals import (
     Interval,
     ShardSpec,
@@ -40,61 +43,11 @@ from uc_checkpoint.data.intervals import (
     total_size,
     whole_epoch,
 )
+from uc_checkpoint.data.shuffle import ShardPermutation
 from uc_checkpoint.data.state import STATE_FORMAT, TrackerState, merge_local_states
 from uc_checkpoint.errors import DatasetMismatchError, TrackerStateError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrackerConfig:
-    """The settings of a :class:`DataTracker` (see its Args), checked once; ``fingerprint``
-    (:func:`dataset_fingerprint` of ``shards``) and ``total_samples`` (samples in one epoch) are
-    derived from ``shards``. ``shards`` may be given as any sequence and is stored as a tuple. After
-    a load, the tracker's config carries the checkpoint's ``seed``.
-
-    Raises:
-        TypeError, ValueError: a setting has the wrong type or is out of range.
-    """
-
-    shards: tuple[ShardSpec, ...]
-    seed: int = 0
-    rank: int = 0
-    world_size: int = 1
-    num_workers: int = 0
-    allow_dataset_change: bool = False
-    batch_size: int = 1
-    fingerprint: str = field(init=False, repr=False, compare=False)
-    total_samples: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        shards = tuple(self.shards)
-        if not shards:
-            raise ValueError("DataTracker needs at least one shard")
-        for shard in shards:
-            if not isinstance(shard, ShardSpec):
-                raise TypeError(f"shards must be ShardSpec items, got {type(shard).__name__}")
-        check_int(self.seed, "seed")
-        check_int(self.world_size, "world_size", minimum=1)
-        check_int(self.rank, "rank", minimum=0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} is out of range for world_size {self.world_size}")
-        check_int(self.num_workers, "num_workers", minimum=0)
-        check_int(self.batch_size, "batch_size", minimum=1)
-        object.__setattr__(self, "shards", shards)
-        object.__setattr__(self, "allow_dataset_change", bool(self.allow_dataset_change))
-        object.__setattr__(self, "fingerprint", dataset_fingerprint(shards))
-        object.__setattr__(self, "total_samples", sum(s.num_samples for s in shards))
-
-    @property
-    def workers_per_rank(self) -> int:
-        """Consumers per rank: ``max(1, num_workers)``."""
-        return max(1, self.num_workers)
-
-    @property
-    def num_consumers(self) -> int:
-        """Consumers across all ranks: ``world_size * workers_per_rank``."""
-        return self.world_size * self.workers_per_rank
 
 
 class _Source(enum.Enum):
@@ -125,6 +78,16 @@ class DataTracker:
             ``total % batch_size`` samples however often it is resumed. Default 1: slices differ by
             at most one sample. Every rank must pass the same value (the merge checks it). The saved
             state does not depend on it.
+        shuffle_within_shard: read each shard's samples in a keyed permutation of its own per
+            ``(seed, epoch, shard)`` (:class:`~uc_checkpoint.data.shuffle.ShardPermutation`) instead of
+            in order. The intervals stay positions in the shard's reading order;
+            :meth:`sample_indices` maps them to sample indices, and the reader must be random-access
+            (``read_indices``). A checkpoint's setting replaces this one on load, like the seed.
+        exactly_once: the end-of-epoch check that every sample of the epoch was consumed exactly
+            once (an order-independent digest of the sample identities consumed, carried across
+            workers, ranks and resumes): ``"raise"`` (default) raises
+            :class:`~uc_checkpoint.errors.ExactlyOnceError`, ``"warn"`` logs a warning, ``"off"``
+            neither computes nor checks it. See "Exactly-once" in ``docs/data-tracker.md``.
 
     The tracker starts at epoch 0 with the whole epoch ahead. It is not thread-safe: call it from the
     training loop only. Settings: :attr:`config` (``tracker.config.rank``, ``.world_size``,
@@ -144,8 +107,20 @@ class DataTracker:
         num_workers: int = 0,
         allow_dataset_change: bool = False,
         batch_size: int = 1,
+        shuffle_within_shard: bool = False,
+        exactly_once: str = "raise",
     ) -> None:
-        config = TrackerConfig(tuple(shards), seed, rank, world_size, num_workers, allow_dataset_change, batch_size)
+        config = TrackerConfig(
+            tuple(shards),
+            seed,
+            rank,
+            world_size,
+            num_workers,
+            allow_dataset_change,
+            batch_size,
+            shuffle_within_shard,
+            exactly_once,
+        )
         self._init(config)
 
     @classmethod
@@ -162,7 +137,8 @@ class DataTracker:
         self._source = _Source.EPOCH
         self._generation = 0  # bumped by _set_work: lets a loader iterator notice its work was replaced
         self._load_count = 0
-        self._set_work(0, whole_epoch(config.shards, config.seed, 0))
+        self._hasher = ShardHasher([s.name for s in config.shards])
+        self._set_work(0, whole_epoch(config.shards, config.seed, 0), SampleDigest())
 
     # ------------------------------------------------------------------ properties
 
@@ -218,8 +194,10 @@ class DataTracker:
 
     # ------------------------------------------------------------------ epochs
 
-    def _set_work(self, epoch: int, remaining: list[Interval]) -> None:
-        """Make ``remaining`` the work of ``epoch`` and cut it for this run's consumers."""
+    def _set_work(self, epoch: int, remaining: list[Interval], consumed_before: SampleDigest | None) -> None:
+        """Make ``remaining`` the work of ``epoch`` and cut it for this run's consumers;
+        ``consumed_before`` is the digest of what the epoch consumed before (None: unknown, the epoch
+        cannot be checked; an empty digest for a fresh epoch)."""
         cfg = self._config
         self._epoch = epoch
         self._base = coalesce(remaining)
@@ -227,7 +205,10 @@ class DataTracker:
         self._slice_sizes = [total_size(s) for s in self._slices]
         self._consumed = [0] * cfg.workers_per_rank
         self._generation += 1
-        self._assignment = assignment_id(cfg.fingerprint, epoch, cfg.num_consumers, cfg.batch_size, self._base)
+        self._assignment = assignment_id(
+            cfg.fingerprint, epoch, cfg.num_consumers, cfg.batch_size, self._base, cfg.shuffle_within_shard
+        )
+        self._ledger = EpochLedger(cfg.workers_per_rank, consumed_before)
 
     def start_epoch(self, epoch: int) -> None:
         """Begin ``epoch``: the remaining work becomes the whole dataset in that epoch's shard order.
@@ -258,7 +239,9 @@ class DataTracker:
                 left,
                 self._epoch,
             )
-        self._set_work(epoch, whole_epoch(self._config.shards, self._config.seed, epoch))
+        if self._config.world_size == 1 and not left:
+            self.epoch_done()  # the one rank knows the whole epoch: check it (once) before leaving it
+        self._set_work(epoch, whole_epoch(self._config.shards, self._config.seed, epoch), SampleDigest())
         self._source = _Source.EPOCH
         logger.debug("data tracker: rank %d started epoch %d", self._config.rank, epoch)
 
@@ -273,12 +256,16 @@ class DataTracker:
         """
         return drop_prefix(self._slices[self.consumer_id(worker)], self._consumed[worker])
 
-    def record(self, worker: int, count: int = 1) -> None:
+    def record(self, worker: int, count: int = 1, digest: SampleDigest | None = None) -> None:
         """Record that this rank's consumer ``worker`` consumed its next ``count`` raw samples.
+
+        ``digest`` is the :class:`~uc_checkpoint.data.digest.SampleDigest` of the samples the worker
+        actually read for them (what :class:`~uc_checkpoint.data.loading.TrackedDataLoader` passes);
+        without it the tracker counts the samples its slice says come next.
 
         Raises:
             ValueError: ``count`` is negative or more than the consumer has left (it read past its
-                slice, which would break exactly-once).
+                slice, which would break exactly-once), or ``digest`` counts another number of samples.
         """
         c = self.consumer_id(worker)
         check_int(count, "count", minimum=0)
@@ -288,7 +275,31 @@ class DataTracker:
                 f"record(worker={worker}, count={count}) on rank {self._config.rank}: only {left} samples of "
                 f"its slice are left in epoch {self._epoch}"
             )
+        if self._config.exactly_once != "off":
+            self._ledger.add(worker, self._consumed[worker], count, digest)
         self._consumed[worker] += count
+
+    def sample_indices(self, interval: Interval) -> np.ndarray:
+        """The sample indices (``int64`` array) that the positions of ``interval`` (one of
+        :meth:`consumer_slices`) stand for in the current epoch: the positions themselves, or with
+        ``shuffle_within_shard`` their images under the epoch's
+        :class:`~uc_checkpoint.data.shuffle.ShardPermutation` of the shard."""
+        shard = self._config.shards[interval.shard]
+        if not self._config.shuffle_within_shard:
+            return np.arange(interval.start, interval.end, dtype=np.int64)
+        permutation = ShardPermutation(self._config.seed, self._epoch, shard.name, shard.num_samples)
+        return permutation.indices(interval.start, interval.end)
+
+    def _slice_samples(self, worker: int, start: int, end: int) -> list[tuple[int, np.ndarray]]:
+        """``(shard, sample indices)`` of samples ``start .. end - 1`` of consumer ``worker``'s slice."""
+        out = []
+        for iv in drop_prefix(self._slices[self.consumer_id(worker)], start):
+            take = min(iv.size, end - start)
+            if take <= 0:
+                break
+            out.append((iv.shard, self.sample_indices(Interval(iv.shard, iv.start, iv.start + take))))
+            start += take
+        return out
 
     def position(self, worker: int) -> tuple[int, int] | None:
         """``(shard, offset)`` of the next sample consumer ``worker`` will consume, or None when its
@@ -323,7 +334,7 @@ class DataTracker:
             ValueError: ``consumed`` has not one count per worker, or a count is negative.
         """
         if assignment_id != self._assignment:
-            self._set_work(epoch, whole_epoch(self._config.shards, self._config.seed, epoch))
+            self._set_work(epoch, whole_epoch(self._config.shards, self._config.seed, epoch), SampleDigest())
             self._source = _Source.EPOCH
             if assignment_id != self._assignment:
                 return False
@@ -351,26 +362,52 @@ class DataTracker:
     def local_state(self) -> dict[str, Any]:
         """This rank's progress, to be gathered from all ranks for :meth:`global_state`.
 
-        ``{"rank": int, "consumed": [samples consumed per worker], "epoch": int, "assignment": str}``;
-        ``epoch`` and ``assignment`` (a short id of the current work split) let the merge check that
-        all ranks describe the same assignment.
+        ``{"rank": int, "consumed": [samples consumed per worker], "epoch": int, "assignment": str,
+        "digest": [[shard, count, hash], ...] | None}``; ``epoch`` and ``assignment`` (a short id of the
+        current work split) let the merge check that all ranks describe the same assignment; ``digest``
+        is the :class:`~uc_checkpoint.data.digest.SampleDigest` of what this rank consumed in it (None
+        with ``exactly_once="off"``).
         """
+        digest = None
+        if self._config.exactly_once != "off":
+            self._ledger.flush(self._hasher, self._slice_samples)
+            digest = self._ledger.local.to_list()
         return {
             "rank": self._config.rank,
             "consumed": list(self._consumed),
             "epoch": self._epoch,
             "assignment": self._assignment,
+            "digest": digest,
         }
 
-    def _merge(self, local_states: Sequence[dict[str, Any]]) -> list[int]:
-        return merge_local_states(
+    def _merge(self, local_states: Sequence[dict[str, Any]]) -> tuple[list[int], SampleDigest | None]:
+        """Consumed counts of all consumers and the epoch's digest so far (None: not checkable)."""
+        consumed, ranks = merge_local_states(
             local_states,
             world_size=self._config.world_size,
             workers_per_rank=self._config.workers_per_rank,
             epoch=self._epoch,
             assignment=self._assignment,
             slice_sizes=self._slice_sizes,
+            num_shards=len(self._config.shards),
         )
+        return consumed, self._ledger.epoch_digest(ranks) if self._config.exactly_once != "off" else None
+
+    def _check_epoch(self, digest: SampleDigest | None) -> None:
+        """The end-of-epoch exactly-once check, once per assignment (see ``exactly_once``)."""
+        mode = self._config.exactly_once
+        if mode == "off" or self._ledger.checked:
+            return
+        self._ledger.checked = True
+        if digest is None:
+            logger.info(
+                "data tracker: epoch %d is not checked for exactly-once: its digest is incomplete (the dataset "
+                "changed during the epoch, or part of it ran with exactly_once='off')",
+                self._epoch,
+            )
+            return
+        report = check_digest(self._hasher, [s.num_samples for s in self._config.shards], digest)
+        enforce(report, mode, self._epoch)
 
     def global_state(
         self, local_states: Sequence[dict[str, Any]], *, include_shard_list: bool = True
@@ -383,24 +420,33 @@ class DataTracker:
         * ``format``: :data:`STATE_FORMAT`.
         * ``fingerprint``: :func:`dataset_fingerprint` of the dataset.
         * ``seed``, ``epoch``: the shard-order seed and the current epoch.
-        * ``remaining``: ``[[shard, start, end], ...]`` in stream order, the samples of this epoch not
-          consumed yet (empty: the epoch is finished).
+        * ``shuffle_within_shard``: whether positions map to samples through a permutation.
+        * ``remaining``: ``[[shard, start, end], ...]`` in stream order, the positions of this epoch
+          not consumed yet (empty: the epoch is finished).
         * ``samples_consumed_in_epoch``: samples of the epoch no longer to be read.
         * ``num_shards``: number of shards of the dataset.
-        * ``shards`` (when ``include_shard_list``): ``[[name, num_samples], ...]``, so that a load on a
-          changed dataset can name the shard that differs and map the remaining work by shard name. It
-          costs about ``len(name) + 10`` bytes per shard; turn it off for very many shards.
+        * ``digest``: ``[[shard, count, hash], ...]``, the digest of the samples the epoch consumed
+          (across ranks and resumes), or None when it cannot be checked; about 45 bytes per shard
+          touched.
+        * ``shards`` (when ``include_shard_list``): ``[[name, num_samples, fingerprint], ...]``, so that
+          a load on a changed dataset can name the shard that differs and map the remaining work by
+          shard name. It costs about ``len(name) + len(fingerprint) + 15`` bytes per shard; turn it
+          off for very many shards.
 
-        All values are plain ints, strings and lists (JSON-serialisable).
+        All values are plain bools, ints, strings, lists and None (JSON-serialisable). A state whose
+        remaining work is empty also runs the end-of-epoch check (see ``exactly_once``).
 
         Raises:
             TrackerStateError: a gathered local state is malformed or from another assignment.
+            ExactlyOnceError: the epoch is finished, ``exactly_once="raise"`` and the check failed.
         """
-        consumed = self._merge(local_states)
+        consumed, digest = self._merge(local_states)
         remaining = coalesce(iv for c, piece in enumerate(self._slices) for iv in drop_prefix(piece, consumed[c]))
         cfg = self._config
-        shard_list = tuple((s.name, s.num_samples) for s in cfg.shards) if include_shard_list else None
+        shard_list = tuple((s.name, s.num_samples, s.fingerprint) for s in cfg.shards) if include_shard_list else None
         left = total_size(remaining)
+        if not left:
+            self._check_epoch(digest)
         state = TrackerState(
             cfg.fingerprint,
             cfg.seed,
@@ -409,6 +455,8 @@ class DataTracker:
             cfg.total_samples - left,
             len(cfg.shards),
             shard_list,
+            cfg.shuffle_within_shard,
+            digest,
         )
         return state.to_dict()
 
@@ -416,11 +464,13 @@ class DataTracker:
         """True when no rank has work left in the current epoch (the global remaining work is empty).
 
         Pass the gathered :meth:`local_state` of all ranks; with ``world_size == 1`` they may be
-        omitted. (From one rank alone only :meth:`rank_exhausted` can be known.)
+        omitted. (From one rank alone only :meth:`rank_exhausted` can be known.) The first call that
+        finds the epoch finished runs the end-of-epoch exactly-once check (see ``exactly_once``).
 
         Raises:
             ValueError: no local states given while ``world_size > 1``.
             TrackerStateError: a gathered local state is malformed or from another assignment.
+            ExactlyOnceError: the epoch is finished, ``exactly_once="raise"`` and the check failed.
         """
         if local_states is None:
             if self._config.world_size != 1:
@@ -429,8 +479,11 @@ class DataTracker:
                     "(use rank_exhausted() for this rank alone)"
                 )
             local_states = [self.local_state()]
-        consumed = self._merge(local_states)
-        return all(k == size for k, size in zip(consumed, self._slice_sizes))
+        consumed, digest = self._merge(local_states)
+        done = all(k == size for k, size in zip(consumed, self._slice_sizes))
+        if done:
+            self._check_epoch(digest)
+        return done
 
     def load_global_state(self, state: dict[str, Any]) -> None:
         """Restore the epoch and remaining work from :meth:`global_state` (of this or any other
@@ -440,10 +493,14 @@ class DataTracker:
         epochs follow the saved run's order. Every load replaces the work, even a reload of the state
         the tracker already holds: :attr:`generation` goes up, so that a data-loader iterator created
         before the load refuses to go on (it would read the old work) instead of drifting from what
-        the tracker records. Nothing changes when the state is refused.
+        the tracker records. Nothing changes when the state is refused. The checkpoint's
+        ``shuffle_within_shard`` replaces the tracker's too, and its digest of the samples consumed so
+        far carries on into the end-of-epoch check. A shard whose fingerprint is unknown (``""``) on
+        either side is matched by name and count alone.
 
         Raises:
-            DatasetMismatchError: the state was written for a different dataset and
+            DatasetMismatchError: the state was written for a different dataset (names, counts, order,
+                or the content fingerprint of a shard: the message names the shard and both) and
                 ``allow_dataset_change`` is False. With it True, a warning is logged and the remaining
                 work is kept where it still fits: intervals of shards that are gone are dropped, those
                 of shrunk shards clipped (matched by shard name when the state has the shard list, else
@@ -454,11 +511,13 @@ class DataTracker:
                 the dataset. The message names the field (see :class:`~uc_checkpoint.data.state.TrackerState`).
         """
         loaded = TrackerState.from_dict(state)
-        if loaded.fingerprint == self._config.fingerprint:
+        consumed_before = loaded.digest
+        if loaded.same_dataset(self._config.shards):
             loaded.check_fits(self._config.shards)
             remaining = list(loaded.remaining)
         else:
             remaining = self._remap_changed_dataset(loaded)
+            consumed_before = None  # samples were dropped or changed: the epoch cannot be checked
         if loaded.seed != self._config.seed:
             logger.warning(
                 "data tracker: the checkpoint's shard-order seed %d replaces the configured seed %d",
@@ -466,7 +525,15 @@ class DataTracker:
                 self._config.seed,
             )
             self._config = dataclasses.replace(self._config, seed=loaded.seed)
-        self._set_work(loaded.epoch, remaining)
+        if loaded.shuffle_within_shard != self._config.shuffle_within_shard:
+            logger.warning(
+                "data tracker: the checkpoint's shuffle_within_shard=%s replaces the configured %s (the "
+                "saved positions mean the samples of that order)",
+                loaded.shuffle_within_shard,
+                self._config.shuffle_within_shard,
+            )
+            self._config = dataclasses.replace(self._config, shuffle_within_shard=loaded.shuffle_within_shard)
+        self._set_work(loaded.epoch, remaining, consumed_before)
         self._source = _Source.LOADED
         self._load_count += 1
         logger.info(

@@ -25,6 +25,7 @@ from uc_checkpoint.dcp.compat import _StorageInfo, narrow_tensor_by_index
 from uc_checkpoint.dcp.item_codec import ItemCodec
 from uc_checkpoint.errors import CorruptCheckpointError, ItemChecksumError, UCCheckpointError
 from uc_checkpoint.volumes import Volume
+from uc_checkpoint.volumes.ranged import RangedStream
 
 #: (fqn, chunk offsets) -> (dtype, chunk shape): what each tensor item of a checkpoint holds.
 ChunkShapes = dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]
@@ -265,31 +266,8 @@ def zip_crc_problem(data: memoryview) -> str | None:
     return None if bad is None else f"member {bad}"
 
 
-class MemoryReader(io.RawIOBase):
+class MemoryReader(RangedStream):
     """A read-only, seekable stream over a memoryview, without copying it (``io.BytesIO`` would)."""
 
     def __init__(self, data: memoryview) -> None:
-        super().__init__()
-        self._data = data
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        chunk = self._data[self._pos : self._pos + len(b)]
-        n = len(chunk)
-        memoryview(b).cast("B")[:n] = chunk
-        self._pos += n
-        return n
+        super().__init__(lambda start, end: data[start:end], len(data))

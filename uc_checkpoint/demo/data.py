@@ -24,13 +24,9 @@ import os
 import platform
 import re
 import sysconfig
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -296,103 +292,6 @@ def samples_in_shard(size: int, seq_len: int) -> int:
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     return size // (seq_len + 1)
-
-
-def read_sample(shard_path: Path | str, j: int, seq_len: int) -> torch.Tensor:
-    """Read sample ``j`` of a shard file by seeking to it.
-
-    Only the ``seq_len + 1`` bytes at offset ``j * (seq_len + 1)`` are read.
-
-    Args:
-        shard_path: A shard file.
-        j: Sample number within the shard, 0-based.
-        seq_len: Model sequence length; the window is one byte longer.
-
-    Returns:
-        int64 tensor of shape ``(seq_len + 1,)`` with values in ``[0, 255]``.
-
-    Raises:
-        ValueError: ``seq_len < 1``.
-        IndexError: ``j`` is negative or not below :func:`samples_in_shard` of the file.
-        OSError: The file cannot be opened or read.
-    """
-    width = seq_len + 1
-    with open(shard_path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        count = samples_in_shard(size, seq_len)
-        if not 0 <= j < count:
-            raise IndexError(f"sample {j} out of range [0, {count}) in {shard_path}")
-        fh.seek(j * width)
-        data = fh.read(width)
-    if len(data) != width:
-        raise OSError(f"short read of {len(data)}/{width} bytes from {shard_path}")
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
-
-
-class ShardReader:
-    """Cheap repeated sample reads from one shard through a read-only memory map.
-
-    Args:
-        shard_path: A shard file.
-        seq_len: Model sequence length; windows are ``seq_len + 1`` bytes.
-
-    Raises:
-        ValueError: ``seq_len < 1``.
-        OSError: The file cannot be opened.
-    """
-
-    def __init__(self, shard_path: Path | str, seq_len: int) -> None:
-        self.path = Path(shard_path)
-        self.seq_len = seq_len
-        size = self.path.stat().st_size
-        self._count = samples_in_shard(size, seq_len)
-        # np.memmap refuses empty files; an empty shard simply has no samples.
-        self._data: np.ndarray | None = (
-            np.memmap(self.path, dtype=np.uint8, mode="r") if size > 0 else np.empty(0, np.uint8)
-        )
-
-    def __len__(self) -> int:
-        """Number of samples in the shard."""
-        return self._count
-
-    def __getitem__(self, j: int) -> torch.Tensor:
-        """Sample ``j`` as an int64 tensor of shape ``(seq_len + 1,)``.
-
-        Raises:
-            IndexError: ``j`` out of range (negative indices are not accepted).
-            ValueError: The reader is closed.
-        """
-        data = self._require_open()
-        if not 0 <= j < self._count:
-            raise IndexError(f"sample {j} out of range [0, {self._count}) in {self.path}")
-        width = self.seq_len + 1
-        window = np.array(data[j * width : (j + 1) * width], dtype=np.int64)
-        return torch.from_numpy(window)
-
-    def batch(self, indices: Sequence[int]) -> torch.Tensor:
-        """Stack samples into an int64 tensor of shape ``(len(indices), seq_len + 1)``.
-
-        Raises:
-            IndexError: Any index is out of range.
-        """
-        if len(indices) == 0:
-            return torch.empty((0, self.seq_len + 1), dtype=torch.int64)
-        return torch.stack([self[j] for j in indices])
-
-    def close(self) -> None:
-        """Drop the memory map; further reads raise ``ValueError``."""
-        self._data = None
-
-    def __enter__(self) -> ShardReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _require_open(self) -> np.ndarray:
-        if self._data is None:
-            raise ValueError(f"ShardReader for {self.path} is closed")
-        return self._data
 
 
 def _read_index(index_path: Path) -> dict[str, Any]:

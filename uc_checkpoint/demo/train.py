@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 
 from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset
+from uc_checkpoint.data.readers import TokenReader
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
-from uc_checkpoint.demo.data import ShardReader, ShardSet
+from uc_checkpoint.demo.data import ShardSet
 from uc_checkpoint.demo.model import GPT, GPTConfig, shard_model
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.ops.catalog import checkpoint_name
@@ -57,23 +58,22 @@ class Events:
 
 
 class DemoShardReader:
-    """``read_shard`` for the tracker: sample ``j`` of a byte shard is its ``j``-th window, read
-    straight from a memory map (a seek, never a scan). Yields ``(window, shard index, j)`` so that
-    the training loop can log which samples it consumed. Memory maps are opened lazily, in the
-    data-loader worker that uses them."""
+    """``read_shard`` for the tracker: the demo's byte shards read as flat token files of uint8
+    (:class:`~uc_checkpoint.data.readers.TokenReader`: sample ``j`` is the ``j``-th window of
+    ``seq_len + 1`` bytes, from a memory map in the data-loader worker: a seek, never a scan).
+    Yields ``(window, shard index, j)`` so that the training loop can log which samples it
+    consumed. ``specs`` are the shards as the tracker takes them (full paths, sample counts, content
+    fingerprints)."""
 
     def __init__(self, shards: ShardSet, seq_len: int) -> None:
-        self.shards, self.seq_len = shards, seq_len
-        self.index = {info.name: i for i, info in enumerate(shards.shards)}
-        self._readers: dict[int, ShardReader] = {}
+        self.tokens = TokenReader(shards.root, seq_len, dtype="uint8", files=[info.name for info in shards.shards])
+        self.specs = self.tokens.shards()
+        self.index = {spec.name: i for i, spec in enumerate(self.specs)}
 
     def __call__(self, shard: ShardSpec, start: int, end: int) -> Iterator[tuple[torch.Tensor, int, int]]:
         i = self.index[shard.name]
-        reader = self._readers.get(i)
-        if reader is None:
-            reader = self._readers[i] = ShardReader(self.shards.path(i), self.seq_len)
-        for j in range(start, end):
-            yield reader[j], i, j
+        for j, window in zip(range(start, end), self.tokens(shard, start, end)):
+            yield torch.from_numpy(window), i, j
 
 
 class SampleLog:
@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     model = shard_model(GPT(config), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     shards = ShardSet.load(args.data, verify_hashes=False)
-    specs = [ShardSpec(info.name, n) for info, n in zip(shards.shards, shards.samples_per_shard(config.seq_len))]
+    reader = DemoShardReader(shards, config.seq_len)
+    specs = reader.specs
     tracker = DataTracker(specs, seed=args.seed, rank=rank, world_size=world, num_workers=args.data_workers)
     loader = TrackedDataLoader(
-        TrackedShardDataset(tracker, DemoShardReader(shards, config.seq_len)),
+        TrackedShardDataset(tracker, reader),
         batch_size=args.batch_size,
         num_workers=args.data_workers,
         persistent_workers=args.data_workers > 0,

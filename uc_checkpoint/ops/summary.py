@@ -192,15 +192,45 @@ def _data_pipeline_states(volume: Volume, items: list[dict[str, Any]]) -> dict[s
             out[key] = {
                 "epoch": state.get("epoch"),
                 "seed": state.get("seed"),
+                "shuffle_within_shard": state.get("shuffle_within_shard"),
                 "samples_consumed_in_epoch": state.get("samples_consumed_in_epoch"),
                 "samples_remaining_in_epoch": remaining,
                 "num_shards": state.get("num_shards"),
                 "shards_with_remaining_work": len({s for s, _a, _b in state.get("remaining", [])}),
                 "fingerprint": state.get("fingerprint"),
+                "exactly_once": _digest_summary(state),
             }
         except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in a BaseException; inspect reports them
             out[key] = {"error": one_line(exc)}  # the rank's own error, e.g. the missing file
     return out
+
+
+def _digest_summary(state: Any) -> dict[str, Any]:
+    """The exactly-once digest of a saved tracker state, checked so far (every sample counted as
+    consumed consumed once; hashes the dataset once): ``{"samples_covered", "shards_complete",
+    "shards", "checks_out": bool | None, "problem": str | None}``, ``checks_out`` None when the
+    state cannot be checked (``problem`` says why)."""
+    from uc_checkpoint.data.state import TrackerState
+    from uc_checkpoint.errors import TrackerStateError
+
+    out: dict[str, Any] = {"samples_covered": None, "shards_complete": None, "shards": None, "checks_out": None}
+    try:
+        parsed = TrackerState.from_dict(state)
+    except TrackerStateError as exc:
+        return {**out, "problem": one_line(exc)}
+    if parsed.digest is None:
+        return {**out, "problem": "no digest (saved with exactly_once='off', or the dataset changed in this epoch)"}
+    out["samples_covered"] = parsed.digest.count()
+    report = parsed.check_digest()
+    if report is None:
+        return {**out, "problem": "saved without the shard list, whose names the digest is keyed by"}
+    return {
+        **out,
+        "shards_complete": report.shards_complete,
+        "shards": report.shards,
+        "checks_out": report.ok,
+        "problem": None if report.ok else report.describe(),
+    }
 
 
 def summary_dict(s: CheckpointSummary) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from uc_checkpoint.errors import VolumeError
-from uc_checkpoint.volumes.base import Entry, FileRecord, Volume
+from uc_checkpoint.volumes.base import Entry, FileRecord, FileStat, Volume
 from uc_checkpoint.volumes.fsspec_volume import FsspecVolume
 from uc_checkpoint.volumes.local import LocalVolume
 from uc_checkpoint.volumes.locations import local_path_of_file_url, require_location
@@ -21,6 +21,7 @@ from uc_checkpoint.volumes.s3 import S3Volume
 __all__ = [
     "Entry",
     "FileRecord",
+    "FileStat",
     "FsspecVolume",
     "LocalVolume",
     "MemoryStore",

@@ -34,7 +34,7 @@ from typing import BinaryIO
 from uc_checkpoint.errors import CorruptCheckpointError, LandedSizeError, TransferError, UCCheckpointError
 from uc_checkpoint.format.integrity import Digest, FileRecord, copy_stream
 
-__all__ = ["Entry", "FileRecord", "Volume"]
+__all__ = ["Entry", "FileRecord", "FileStat", "Volume"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,23 @@ class Entry:
     def is_dir(self) -> bool:
         """Whether this is a sub-location (a directory, or a common prefix of an object store)."""
         return self.name.endswith("/")
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What the store says of one file without reading it (a ``stat``, an object's HEAD).
+
+    Attributes:
+        size: bytes.
+        mtime_ns: last-modified time in integer nanoseconds since the Unix epoch, or ``None`` where
+            the store reports none.
+        etag: the store's version tag of the content (an object's ETag, without its quotes), or
+            ``None`` where the store keeps none (local files).
+    """
+
+    size: int
+    mtime_ns: int | None = None
+    etag: str | None = None
 
 
 class Volume(ABC):
@@ -213,6 +230,21 @@ class Volume(ABC):
         for entry in self.list_entries():
             if entry.name == name:
                 return entry.size
+        return None
+
+    def stat(self, name: str) -> FileStat | None:
+        """Size, time and version tag of the file ``name``, or ``None`` if it does not exist (or is a
+        sub-location). Data readers build a shard's content fingerprint from it.
+
+        Derived from one listing; backends with a cheaper call (``stat``, ``HEAD``) override it.
+
+        Raises:
+            VolumeError / TransferError: as :meth:`_scan`.
+        """
+        for entry in self.list_entries():
+            if entry.name == name and not entry.is_dir:
+                mtime_ns = None if entry.mtime is None else int(entry.mtime * 1_000_000_000)
+                return FileStat(entry.size, mtime_ns)
         return None
 
     # ---- data movement ------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,8 +43,9 @@ from uc_checkpoint.errors import (
     VolumeError,
 )
 from uc_checkpoint.format.integrity import Digest, FileRecord
-from uc_checkpoint.volumes.base import Entry, Volume
+from uc_checkpoint.volumes.base import Entry, FileStat, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path
+from uc_checkpoint.volumes.ranged import RangedStream
 from uc_checkpoint.volumes.retry import retry
 
 logger = logging.getLogger(__name__)
@@ -243,6 +243,25 @@ class FsspecVolume(Volume):
             raise TransferError(f"stat of {self.url_of(name)} failed: {exc}") from exc
         return None if info.get("type") == "directory" else int(info.get("size") or 0)
 
+    def stat(self, name: str) -> FileStat | None:
+        """One fresh ``info``: size, modification time (as :meth:`list_mtimes` reads it) and the
+        ETag where the filesystem reports one (s3fs, gcsfs, http)."""
+        try:
+            info = self._info(self._path(name))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"stat of {self.url_of(name)} failed: {exc}") from exc
+        if info.get("type") == "directory":
+            return None
+        mtime = _mtime_of(info)
+        etag = info.get("ETag") or info.get("etag")
+        return FileStat(
+            int(info.get("size") or 0),
+            None if mtime is None else int(mtime * 1_000_000_000),
+            str(etag).strip('"') if etag else None,
+        )
+
     # ---- data movement ------------------------------------------------------------------------
     @contextlib.contextmanager
     def open_write(self, name: str, *, sync: bool = True) -> Iterator[BinaryIO]:
@@ -267,7 +286,7 @@ class FsspecVolume(Volume):
         size = self.size(name)  # drops the listing caches first
         if size is None:
             raise self._missing(name)
-        with _RangeReader(self, name, size) as src:
+        with RangedStream(lambda start, end: self._cat(name, start, end), size) as src:
             yield cast(BinaryIO, src), size
 
     def download_file(
@@ -381,54 +400,6 @@ class FsspecVolume(Volume):
             pass
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"deleting {self.url_of(name)} failed: {exc}") from exc
-
-
-class _RangeReader(io.RawIOBase):
-    """A read-only, seekable stream over one file of an fsspec volume, with a position of its own:
-    each ``readinto`` is one ``cat_file`` of the bytes asked for, so streams of one file are
-    independent of each other (``fs.open`` of fsspec's memory filesystem is not). It ends at
-    ``size`` bytes (the size the volume reported), whatever the file has grown to since.
-
-    Errors are the volume's (:meth:`FsspecVolume._cat`): CorruptCheckpointError for a file that is
-    gone, TransferError for other failures.
-    """
-
-    def __init__(self, volume: FsspecVolume, name: str, size: int) -> None:
-        super().__init__()
-        self._volume, self._name, self._size = volume, name, size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        want = min(len(out), self._size - self._pos)
-        if want <= 0:
-            return 0
-        data = self._volume._cat(self._name, self._pos, self._pos + want)
-        out[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-    def readall(self) -> bytes:
-        """The rest of the stream in one ``cat_file`` (the default would read 8 KiB per request)."""
-        if self._pos >= self._size:
-            return b""
-        data = self._volume._cat(self._name, self._pos, self._size)
-        self._pos += len(data)
-        return data
 
 
 def _mtime_of(entry: dict[str, Any]) -> float | None:

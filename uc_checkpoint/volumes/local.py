@@ -27,7 +27,7 @@ from uc_checkpoint.errors import (
     TransferError,
     VolumeError,
 )
-from uc_checkpoint.volumes.base import Entry, Volume
+from uc_checkpoint.volumes.base import Entry, FileStat, Volume
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +197,25 @@ class LocalVolume(Volume):
             raise VolumeError(f"cannot stat {self._path(name)}: a component of {self.root} is a file") from exc
         except OSError as exc:
             raise TransferError(f"stat of {self._path(name)} failed: {exc}") from exc
+
+    def stat(self, name: str) -> FileStat | None:
+        """One ``os.stat`` of ``name`` (following symlinks): its size and ``st_mtime_ns``; None when
+        it does not exist or is a directory.
+
+        Raises:
+            VolumeError: the location is a file.
+            TransferError: the file system failed to answer (not taken for "missing").
+        """
+        path = self._path(name)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError as exc:
+            raise VolumeError(f"cannot stat {path}: a component of {self.root} is a file") from exc
+        except OSError as exc:
+            raise TransferError(f"stat of {path} failed: {exc}") from exc
+        return None if stat.S_ISDIR(st.st_mode) else FileStat(st.st_size, st.st_mtime_ns)
 
     # ---- data movement ------------------------------------------------------------------------
     @contextlib.contextmanager

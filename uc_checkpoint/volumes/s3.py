@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_base64, crc32, crc32_base64, digest_file
 from uc_checkpoint.format.layout import is_checkpoint_file
-from uc_checkpoint.volumes.base import Entry, Volume
+from uc_checkpoint.volumes.base import Entry, FileStat, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
 from uc_checkpoint.volumes.retry import retry
 from uc_checkpoint.volumes.s3_client import ClientSettings, SharedClient, Transfers, read_body_into
@@ -370,6 +370,16 @@ class S3Volume(Volume):
     def size(self, name: str) -> int | None:
         head = self._head(name)
         return None if head is None else int(head["ContentLength"])
+
+    def stat(self, name: str) -> FileStat | None:
+        """One HeadObject: ``ContentLength``, ``LastModified`` and the ETag (quotes stripped)."""
+        head = self._head(name)
+        if head is None:
+            return None
+        modified = head.get("LastModified")
+        mtime_ns = int(modified.timestamp() * 1_000_000_000) if modified is not None else None
+        etag = head.get("ETag")
+        return FileStat(int(head["ContentLength"]), mtime_ns, etag.strip('"') if etag else None)
 
     def _head(self, name: str) -> dict[str, Any] | None:
         """The HeadObject answer for ``name``, None when it does not exist.

@@ -1,0 +1,76 @@
+"""WebDatasetReader: keys and fields as webdataset names them, directories skipped, a member index
+cached and rebuilt when stale, truncated and non-tar files."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from uc_checkpoint.data.readers import WebDatasetReader
+from uc_checkpoint.data.readers.base import INDEX_SUFFIX
+from uc_checkpoint.data.readers.webdataset import split_key
+from uc_checkpoint.errors import DataFormatError
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_split_key() -> None:
+    assert split_key("a/b.seg.jpg") == ("a/b", "seg.jpg")
+    assert split_key("x.txt") == ("x", "txt")
+    assert split_key("d.e/f") == ("d.e/f", "")
+
+
+def test_grouping_and_directories(tmp_path: Path) -> None:
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        d = tarfile.TarInfo("dir")
+        d.type = tarfile.DIRTYPE
+        tar.addfile(d)
+        add(tar, "dir/x.seg.png", b"1")
+        add(tar, "dir/x.json", b"{}")
+        add(tar, "dir/y.json", b"[]")
+    reader = WebDatasetReader(tmp_path)
+    (shard,) = reader.shards()
+    assert shard.num_samples == 2
+    assert list(reader(shard, 0, 2)) == [
+        {"__key__": "dir/x", "seg.png": b"1", "json": b"{}"},
+        {"__key__": "dir/y", "json": b"[]"},
+    ]
+    assert (tmp_path / ("a.tar" + INDEX_SUFFIX)).exists()
+
+
+def test_stale_index_rebuilt(tmp_path: Path) -> None:
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        add(tar, "a.txt", b"a")
+    WebDatasetReader(tmp_path).shards()
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        add(tar, "a.txt", b"a")
+        add(tar, "b.txt", b"b")
+    st = (tmp_path / "a.tar").stat()
+    os.utime(tmp_path / "a.tar", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    reader = WebDatasetReader(tmp_path)
+    (shard,) = reader.shards()
+    assert list(reader(shard, 1, 2)) == [{"__key__": "b", "txt": b"b"}]
+
+
+def test_truncated_tar(tmp_path: Path) -> None:
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        add(tar, "a.bin", b"x" * 5000)
+        add(tar, "b.bin", b"y" * 5000)
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "a.tar").write_bytes(data[:7000])
+    with pytest.raises(DataFormatError, match=r"a\.tar.*truncated"):
+        WebDatasetReader(tmp_path).shards()
+
+
+def test_not_a_tar(tmp_path: Path) -> None:
+    (tmp_path / "a.tar").write_bytes(b"\x01" * 2048)
+    with pytest.raises(DataFormatError, match=r"a\.tar.*not a readable tar"):
+        WebDatasetReader(tmp_path).shards()

@@ -1,0 +1,546 @@
+"""What every shard reader shares: discovery, fingerprints, byte access and cached indexes.
+
+A reader (one class per format, :class:`ShardReader` subclasses) turns a location (a local directory,
+an ``s3://`` prefix or any fsspec URL, opened with :func:`uc_checkpoint.volumes.open_volume`) into
+the tracker's shard list (:meth:`ShardReader.shards`) and reads samples ``start .. end - 1`` of a
+shard by seeking (:meth:`ShardReader.__call__`, the ``read_shard`` of
+:class:`~uc_checkpoint.data.loading.TrackedShardDataset`), or any samples in a given order
+(:meth:`ShardReader.read_indices`, for formats with random access). Readers pickle without their
+open files and caches: DataLoader workers open what they need themselves.
+
+Formats whose sample boundaries are not in the file's own metadata (JSON Lines, tar) keep an index
+built once per file content (:class:`IndexCache`): beside the file where that directory is
+writable, else under the staging root; it records the file's fingerprint and is rebuilt, never
+trusted, when the file changed.
+
+The shape (a reader object whose call reads one shard's range) follows the tracker's
+``read_shard`` contract (docs/data-tracker.md, "Readers"); the index cache beside the data follows
+Megatron-LM's ``.idx`` files next to its ``.bin`` token files and webdataset's ``wids`` index of tar
+members.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import importlib
+import io
+import json
+import logging
+import mmap
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar, TypedDict, TypeVar, cast
+
+import numpy as np
+
+from uc_checkpoint.data.intervals import ShardSpec
+from uc_checkpoint.engine.staging_dir import default_staging_root
+from uc_checkpoint.errors import CorruptCheckpointError, DataFormatError, DataLoadingError, DatasetMismatchError
+from uc_checkpoint.volumes import FileStat, LocalVolume, Volume, open_volume
+from uc_checkpoint.volumes.ranged import RangedStream
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Suffix of a cached index file written beside its data file.
+INDEX_SUFFIX = ".uc-index"
+_INDEX_MAGIC = b"UCIDX1\n"
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import an optional dependency, or fail with one line naming the extra that installs it.
+
+    Raises:
+        ImportError: ``module`` is not installed; the message says ``pip install 'uc-checkpoint[extra]'``.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"this reader needs {module.split('.')[0]}: pip install 'uc-checkpoint[{extra}]'") from None
+
+
+def fingerprint_of(stat: FileStat) -> str:
+    """The content fingerprint of a file (contract of :class:`ShardSpec.fingerprint`):
+    ``etag=<ETag>,size=<bytes>`` where the store keeps version tags (objects),
+    ``size=<bytes>,mtime_ns=<int>`` where it keeps times (local files), else ``size=<bytes>``."""
+    if stat.etag:
+        return f"etag={stat.etag},size={stat.size}"
+    if stat.mtime_ns is not None:
+        return f"size={stat.size},mtime_ns={stat.mtime_ns}"
+    return f"size={stat.size}"
+
+
+def file_fingerprint(name: str, volume: Volume) -> str:
+    """The fingerprint (:func:`fingerprint_of`) of the file ``name`` of ``volume``: one ``stat``
+    locally, one HEAD on S3.
+
+    Raises:
+        DataFormatError: the file does not exist.
+        VolumeError / TransferError: the store could not be asked.
+    """
+    stat = volume.stat(name)
+    if stat is None:
+        raise DataFormatError(f"data shard {volume.url_of(name)} does not exist")
+    return fingerprint_of(stat)
+
+
+def contiguous_runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """``indices`` (1-D int64) cut into runs of consecutive ascending values, in order, as half-open
+    ``(start, end)`` ranges: ``[4, 5, 6, 1, 2, 9] -> [(4, 7), (1, 3), (9, 10)]``."""
+    if indices.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [indices.size]))
+    return [(int(indices[s]), int(indices[e - 1]) + 1) for s, e in zip(starts, ends)]
+
+
+def rows_of_groups(starts: Sequence[int], group: Callable[[int], Sequence[T]], start: int, end: int) -> Iterator[T]:
+    """Rows ``start .. end - 1`` of a file stored in groups of rows (Parquet row groups, Arrow record
+    batches), each group read once: ``starts`` is the first row of each group, then the total;
+    ``group(g)`` gives the rows of group ``g``."""
+    row = start
+    while row < end:
+        g = bisect.bisect_right(starts, row) - 1
+        rows = group(g)
+        stop = min(end, starts[g + 1])
+        yield from rows[row - starts[g] : stop - starts[g]]
+        row = stop
+
+
+def picks_of_groups(starts: Sequence[int], group: Callable[[int], Sequence[T]], indices: np.ndarray) -> Iterator[T]:
+    """Rows ``indices`` (1-D int64, any order) of a file stored in groups of rows (as
+    :func:`rows_of_groups`), in that order; the groups they touch are read once each."""
+    groups = np.searchsorted(np.asarray(starts), indices, side="right") - 1
+    needed = {int(g): group(int(g)) for g in np.unique(groups)}
+    for i, g in zip(indices.tolist(), groups.tolist()):
+        yield needed[g][i - int(starts[g])]
+
+
+class IndexCache:
+    """Indexes of data files (line offsets, tar members, record batches), built once per file
+    content and kept as ``<file>.uc-index`` beside a local file whose directory is writable, else as
+    ``<index_dir>/<hash of the URL>-<file name>.uc-index`` (``index_dir`` defaults to
+    ``<staging root>/uc-checkpoint/data-index``; remote and read-only data). Each index records the
+    kind, the data file's URL and fingerprint; one that does not match the file as it is now (the
+    file changed) or is damaged is rebuilt, never used.
+
+    Args:
+        index_dir: where indexes of files that cannot have one beside them go.
+    """
+
+    def __init__(self, index_dir: str | os.PathLike[str] | None = None) -> None:
+        self.index_dir = Path(index_dir) if index_dir is not None else None
+
+    def path_for(self, volume: Volume, name: str) -> Path:
+        """Where the index of ``name`` is kept (see the class docs)."""
+        if isinstance(volume, LocalVolume):
+            data = volume.root / name
+            if os.access(data.parent, os.W_OK | os.X_OK):
+                return data.with_name(data.name + INDEX_SUFFIX)
+        root = self.index_dir or default_staging_root() / "uc-checkpoint" / "data-index"
+        url = volume.url_of(name)
+        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+        return root / f"{digest}-{name.rsplit('/', 1)[-1]}{INDEX_SUFFIX}"
+
+    def load(self, volume: Volume, name: str, kind: str, fingerprint: str) -> bytes | None:
+        """The cached index payload of ``name`` when it was built for this content, else None."""
+        if not fingerprint:
+            return None
+        path = self.path_for(volume, name)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.warning("cannot read data index %s (%s); rebuilding it", path, exc)
+            return None
+        head, sep, payload = raw[len(_INDEX_MAGIC) :].partition(b"\n")
+        try:
+            meta = json.loads(head) if raw.startswith(_INDEX_MAGIC) and sep else None
+        except (ValueError, RecursionError):
+            meta = None
+        if not isinstance(meta, dict) or meta.get("payload_bytes") != len(payload):
+            logger.warning("data index %s is damaged; rebuilding it", path)
+            return None
+        if (meta.get("kind"), meta.get("source"), meta.get("fingerprint")) != (kind, volume.url_of(name), fingerprint):
+            logger.info("data index %s is stale (%s changed); rebuilding it", path, volume.url_of(name))
+            return None
+        return payload
+
+    def store(self, volume: Volume, name: str, kind: str, fingerprint: str, payload: bytes) -> None:
+        """Keep ``payload`` as the index of ``name`` (atomically: temp file and rename). A failure to
+        write is logged, not raised: the index is rebuilt next time."""
+        if not fingerprint:
+            return
+        path = self.path_for(volume, name)
+        meta = {"kind": kind, "source": volume.url_of(name), "fingerprint": fingerprint, "payload_bytes": len(payload)}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_INDEX_MAGIC + json.dumps(meta).encode() + b"\n" + payload)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            logger.warning("cannot write data index %s (%s); it will be rebuilt next time", path, exc)
+
+
+class ShardReaderOptions(TypedDict, total=False):
+    """The keyword arguments every reader takes (those of :class:`ShardReader`), so that a format's
+    reader names only its own: ``def __init__(self, location, *, columns=None, **options:
+    Unpack[ShardReaderOptions])``."""
+
+    files: Sequence[str] | None
+    volume_options: dict[str, Any] | None
+    index_dir: str | os.PathLike[str] | None
+
+
+class ShardReader(ABC):
+    """Base of the format readers: one shard per data file under a location.
+
+    Args:
+        location: a directory (local path), an ``s3://bucket/prefix`` or any fsspec URL, or a
+            :class:`Volume`; its files with the reader's suffixes, at any depth, sorted by name,
+            are the shards (``files`` overrides).
+        files: names of the shard files relative to ``location``, in shard order.
+        volume_options: for :func:`~uc_checkpoint.volumes.open_volume` (S3: ``endpoint_url``,
+            ``addressing_style``, ...; the same options checkpoint volumes take).
+        index_dir: where indexes of remote or read-only files are kept (see :class:`IndexCache`).
+
+    Shard names are the files' full URLs (``volume.url_of(file)``); a shard's ``fingerprint`` is its
+    file's (:func:`fingerprint_of`). Reading a shard first checks, once per process, that the file
+    still has that fingerprint.
+
+    Raises (from the constructor):
+        VolumeError: ``location`` cannot be opened with ``volume_options``.
+    """
+
+    #: Whether :meth:`read_indices` can read any samples in any order without reading others.
+    random_access: ClassVar[bool] = True
+    #: File name endings of this format's shards.
+    suffixes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Volume,
+        *,
+        files: Sequence[str] | None = None,
+        volume_options: dict[str, Any] | None = None,
+        index_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.volume = open_volume(location, **(volume_options or {}))
+        self.files = None if files is None else [str(f) for f in files]
+        self.index_cache = IndexCache(index_dir)
+        self._cache: dict[Any, Any] = {}  # per process: open files, parsed indexes; not pickled
+        self._cache_pid = os.getpid()
+        self._checked: set[str] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        state["_checked"] = set()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache_pid = os.getpid()
+
+    @property
+    def cache(self) -> dict[Any, Any]:
+        """This process's open files and parsed indexes: a forked worker starts with an empty one
+        (no file position or client shared with its parent)."""
+        if self._cache_pid != os.getpid():
+            self._cache = {}
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.volume.url!r})"
+
+    # ---- discovery --------------------------------------------------------------------------------
+    def shard_files(self) -> list[str]:
+        """Names (relative to the location) of the shard files, in shard order.
+
+        Raises:
+            DataLoadingError: no file with the reader's suffixes was found.
+        """
+        if self.files is not None:
+            return list(self.files)
+        names = sorted(
+            e.name
+            for e in self.volume.list_tree()
+            if not e.is_dir and e.name.endswith(self.suffixes) and not e.name.rsplit("/", 1)[-1].startswith(".")
+        )
+        if not names:
+            raise DataLoadingError(f"no {'/'.join(self.suffixes)} files under {self.volume.url}")
+        return names
+
+    def shards(self) -> list[ShardSpec]:
+        """One :class:`ShardSpec` per shard file: full URL, sample count (from the format's metadata
+        or a cached index) and content fingerprint.
+
+        Raises:
+            DataFormatError: a file is not of this format (the message names it).
+            DataLoadingError: no shard files.
+        """
+        out = []
+        for name in self.shard_files():
+            stat = self.volume.stat(name)
+            if stat is None:
+                raise DataFormatError(f"data shard {self.volume.url_of(name)} does not exist")
+            fingerprint = fingerprint_of(stat)
+            count = self._count(name, stat.size, fingerprint)
+            out.append(ShardSpec(self.volume.url_of(name), count, fingerprint))
+            self._checked.add(self.volume.url_of(name))
+        return out
+
+    def file_stat(self, name: str) -> FileStat:
+        """Size and version of file ``name`` (one ``stat`` locally, one HEAD on S3).
+
+        Raises:
+            DataFormatError: the file does not exist (the message names it).
+        """
+        stat = self.volume.stat(name)
+        if stat is None:
+            raise self.malformed(name, "the file does not exist")
+        return stat
+
+    def cached_index(
+        self,
+        name: str,
+        kind: str,
+        scan: Callable[[str, int], T],
+        encode: Callable[[T], bytes],
+        decode: Callable[[str, bytes, int], T | None],
+        size: int | None = None,
+        fingerprint: str | None = None,
+    ) -> T:
+        """The index of file ``name``, built once per file content: this process's copy, else the
+        :attr:`index_cache` entry made for the file as it is now (when ``decode`` accepts it), else
+        ``scan`` (then kept in the index cache).
+
+        Args:
+            name: the file, relative to the location.
+            kind: the index format and its version (recorded with the entry; another kind's is not used).
+            scan: ``scan(name, size)``: the index built by reading the file of ``size`` bytes.
+            encode: the index as the bytes kept in the index cache.
+            decode: ``decode(name, payload, size)``: the index from cached bytes, or None when they
+                are not one (then it is rebuilt).
+            size, fingerprint: the file's size in bytes and fingerprint (:func:`fingerprint_of`)
+                where the caller has them; else one :meth:`file_stat`.
+
+        Raises:
+            DataFormatError: the file does not exist, or ``scan`` / ``decode`` found it malformed.
+        """
+        key = ("index", kind, name)
+        found = self.cache.get(key)
+        if found is not None:
+            return cast(T, found)
+        if size is None or fingerprint is None:
+            stat = self.file_stat(name)
+            size, fingerprint = stat.size, fingerprint_of(stat)
+        payload = self.index_cache.load(self.volume, name, kind, fingerprint)
+        index = None if payload is None else decode(name, payload, size)
+        if index is None:
+            index = scan(name, size)
+            self.index_cache.store(self.volume, name, kind, fingerprint, encode(index))
+        self.cache[key] = index
+        return index
+
+    def cached_table(
+        self,
+        name: str,
+        kind: str,
+        dtype: str,
+        columns: int,
+        scan: Callable[[str, int], np.ndarray],
+        size: int | None = None,
+        fingerprint: str | None = None,
+        *,
+        min_rows: int = 0,
+        fits: Callable[[np.ndarray, int], bool] | None = None,
+    ) -> np.ndarray:
+        """An index that is a ``(rows, columns)`` table of 8-byte integers (``dtype`` ``"<u8"`` or
+        ``"<i8"``), cached as its raw bytes (:meth:`cached_index`). A cached table is used when it
+        has whole rows, ``min_rows`` at least, and ``fits(table, size)`` (when given) holds.
+
+        Raises:
+            DataFormatError: as :meth:`cached_index`.
+        """
+        row_bytes = np.dtype(dtype).itemsize * columns
+
+        def decode(_: str, payload: bytes, size: int) -> np.ndarray | None:
+            if len(payload) % row_bytes or len(payload) < row_bytes * min_rows:
+                return None
+            table = np.frombuffer(payload, dtype=dtype).reshape(-1, columns)
+            return table if fits is None or fits(table, size) else None
+
+        return self.cached_index(
+            name, kind, scan, lambda table: table.astype(dtype).tobytes(), decode, size, fingerprint
+        )
+
+    @abstractmethod
+    def _count(self, name: str, size: int, fingerprint: str) -> int:
+        """Samples in file ``name`` of ``size`` bytes, from metadata or an index (never all data)."""
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def __call__(self, shard: ShardSpec, start: int, end: int) -> Iterator[Any]:
+        """Samples ``start .. end - 1`` of ``shard``, in order, seeking to ``start``.
+
+        Raises:
+            DataLoadingError: ``shard`` is not one of this reader's location, or the range is
+                outside it.
+            DatasetMismatchError: the file changed since :meth:`shards` (its fingerprint differs).
+            DataFormatError: the file is truncated or malformed.
+        """
+        name = self._open(shard)
+        if not 0 <= start <= end <= shard.num_samples:
+            raise DataLoadingError(f"samples {start}..{end} are outside {shard.name} ({shard.num_samples} samples)")
+        return self._read_range(name, start, end)
+
+    def read_indices(self, shard: ShardSpec, indices: Sequence[int] | np.ndarray) -> Iterator[Any]:
+        """Samples ``indices`` of ``shard``, in that order (each read without reading others).
+
+        Raises:
+            TypeError: the format has no random access (``random_access`` is False).
+            DataLoadingError / DatasetMismatchError / DataFormatError: as :meth:`__call__`.
+        """
+        if not self.random_access:
+            raise TypeError(f"{type(self).__name__} reads shards sequentially: it has no read_indices")
+        name = self._open(shard)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= shard.num_samples):
+            raise DataLoadingError(
+                f"sample indices {int(idx.min())}..{int(idx.max())} are outside {shard.name} "
+                f"({shard.num_samples} samples)"
+            )
+        return self._read_indices(name, idx)
+
+    @abstractmethod
+    def _read_range(self, name: str, start: int, end: int) -> Iterator[Any]:
+        """Samples ``start .. end - 1`` of file ``name`` (range checked)."""
+
+    def _read_indices(self, name: str, indices: np.ndarray) -> Iterator[Any]:
+        """Samples ``indices`` of file ``name`` in order; by default, one range read per run of
+        consecutive indices."""
+        for start, end in contiguous_runs(indices):
+            yield from self._read_range(name, start, end)
+
+    def _open(self, shard: ShardSpec) -> str:
+        """The file name of ``shard`` relative to the location, after checking (once per process)
+        that the file still has the shard's fingerprint."""
+        base = self.volume.url.rstrip("/") + "/"
+        if not shard.name.startswith(base):
+            raise DataLoadingError(f"shard {shard.name!r} is not under {type(self).__name__}'s location {base}")
+        name = shard.name[len(base) :]
+        expected = shard.fingerprint
+        if expected and shard.name not in self._checked:
+            now = file_fingerprint(name, self.volume)
+            if now != expected:
+                raise DatasetMismatchError(
+                    f"data shard {shard.name} changed since its shard list was made: fingerprint {now}, "
+                    f"the shard list has {expected}"
+                )
+            self._checked.add(shard.name)
+        return name
+
+    def recent(self, kind: str, key: Any, limit: int, load: Callable[[], T]) -> T:
+        """``load()``, kept among this process's ``limit`` most recently used values of ``kind``
+        (decoded row groups or batches): a value still kept is returned without loading it again."""
+        kept: OrderedDict[Any, Any] = self.cache.setdefault(kind, OrderedDict())
+        if key in kept:
+            kept.move_to_end(key)
+            return cast(T, kept[key])
+        value = load()
+        kept[key] = value
+        while len(kept) > limit:
+            kept.popitem(last=False)
+        return value
+
+    # ---- bytes ------------------------------------------------------------------------------------
+    def local_path(self, name: str) -> Path | None:
+        """The path of ``name`` on this machine's file system (memory-mapped reads), or None."""
+        return self.volume.root / name if isinstance(self.volume, LocalVolume) else None
+
+    def mapped(self, name: str) -> mmap.mmap | bytes:
+        """The local file ``name`` memory-mapped read-only (once per process; ``b""`` when empty)."""
+        key = ("mmap", name)
+        found = self.cache.get(key)
+        if found is None:
+            path = self.local_path(name)
+            if path is None:
+                raise ValueError(f"{self.volume.url_of(name)} is not a local file")
+            with open(path, "rb") as f:
+                found = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+            self.cache[key] = found
+        return found
+
+    def read_block(self, name: str, start: int, end: int) -> bytes | memoryview:
+        """Bytes ``[start, end)`` of ``name``: a view of its memory map (local files) or one ranged
+        read (:meth:`read_bytes`).
+
+        Raises:
+            DataFormatError: the file ends before ``end``.
+        """
+        if self.local_path(name) is None:
+            return self.read_bytes(name, start, end)
+        data = self.mapped(name)
+        if end > len(data):
+            raise self.malformed(name, f"ends at byte {len(data)}, byte {end - 1} needed (truncated since indexed?)")
+        return memoryview(data)[start:end]
+
+    def read_bytes(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of file ``name``: one ranged read.
+
+        Raises:
+            DataFormatError: the file is missing or ends before ``end``.
+            TransferError: the store failed otherwise.
+        """
+        if end <= start:
+            return b""
+        try:
+            return self.volume.read_range(name, start, end)
+        except CorruptCheckpointError as exc:
+            raise DataFormatError(
+                f"data shard {self.volume.url_of(name)}: cannot read bytes {start}-{end - 1}: the file is "
+                "missing or shorter (truncated, or changed since its shard list was made)"
+            ) from exc
+
+    def open_file(self, name: str, size: int, buffer_size: int = 1 << 20) -> io.BufferedReader:
+        """``name`` as a buffered, seekable binary file: the local file itself, or ranged reads of
+        ``buffer_size`` bytes at least (a :class:`~uc_checkpoint.volumes.ranged.RangedStream` of
+        :meth:`read_bytes`)."""
+        path = self.local_path(name)
+        if path is not None:
+            return open(path, "rb")  # noqa: SIM115 - the caller closes it
+        stream = RangedStream(lambda start, end: self.read_bytes(name, start, end), size)
+        return io.BufferedReader(stream, buffer_size=buffer_size)
+
+    def malformed(self, name: str, what: str) -> DataFormatError:
+        """The error for file ``name`` that is not what this reader reads."""
+        return DataFormatError(f"data shard {self.volume.url_of(name)}: {what}")
+
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "IndexCache",
+    "ShardReaderOptions",
+    "ShardReader",
+    "contiguous_runs",
+    "file_fingerprint",
+    "fingerprint_of",
+    "picks_of_groups",
+    "require",
+    "rows_of_groups",
+]
