@@ -24,15 +24,33 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.dcp.buffers", ["StagingBuffers", "BufferLease"]),
     ("uc_checkpoint.ops.manager", ["CheckpointManager", "CheckpointInfo"]),
     ("uc_checkpoint.ops.options", ["WriterOptions", "ReaderOptions"]),
+    (
+        "uc_checkpoint.ops.interval",
+        ["EverySteps", "EverySeconds", "BlockedFraction", "YoungDaly", "Tighter", "Looser", "IntervalPolicy"],
+    ),
     ("uc_checkpoint.ops.retention", ["steps_to_delete"]),
     ("uc_checkpoint.volumes", ["open_volume", "Volume", "LocalVolume", "S3Volume", "FsspecVolume"]),
     ("uc_checkpoint.data.tracker", ["DataTracker", "ShardSpec"]),
     ("uc_checkpoint.data.loading", ["TrackedDataLoader", "TrackedShardDataset", "TrackerStateful"]),
+    (
+        "uc_checkpoint.data.readers",
+        [
+            "ShardReader",
+            "TokenReader",
+            "ParquetReader",
+            "JsonlReader",
+            "GzipJsonlReader",
+            "WebDatasetReader",
+            "HfDatasetReader",
+            "file_fingerprint",
+        ],
+    ),
+    ("uc_checkpoint.ops.export", ["export_checkpoint", "ExportSummary"]),
     ("uc_checkpoint.ops.garbage", ["collect_garbage", "GCReport"]),
     ("uc_checkpoint.ops.lineage", ["retention_plan", "abandonment_marker", "marker_applies"]),
     ("uc_checkpoint.ops.summary", ["list_root", "describe_checkpoint", "CheckpointSummary"]),
     ("uc_checkpoint.ops.verify", ["verify_checkpoint", "VerifyReport"]),
-    ("uc_checkpoint.observability", ["TransferRecord", "SaveEvent"]),
+    ("uc_checkpoint.observability", ["TransferRecord", "SaveEvent", "resume_mlflow_run"]),
     ("uc_checkpoint.errors", None),  # every exception class, in file order
 ]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from uc_checkpoint.errors import rank_error
 
-pytest_plugins = ["tests.support.s3_fixtures"]
+pytest_plugins = ["tests.support.s3_fixtures", "tests.support.mlflow_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

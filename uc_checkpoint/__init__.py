@@ -28,6 +28,7 @@ from uc_checkpoint.errors import (
     CorruptCheckpointError,
     DataLoadingError,
     DatasetMismatchError,
+    ExactlyOnceError,
     LocationNotEmptyError,
     RemoteRankError,
     StagingError,
@@ -46,7 +47,18 @@ if TYPE_CHECKING:
     from uc_checkpoint.dcp.planner import UCSavePlanner
     from uc_checkpoint.dcp.reader import UCVolumeReader
     from uc_checkpoint.dcp.writer import UCVolumeWriter
+    from uc_checkpoint.observability import resume_mlflow_run
+    from uc_checkpoint.ops.export import ExportSummary, export_checkpoint
     from uc_checkpoint.ops.garbage import GCReport, collect_garbage
+    from uc_checkpoint.ops.interval import (
+        BlockedFraction,
+        EverySeconds,
+        EverySteps,
+        IntervalPolicy,
+        Looser,
+        Tighter,
+        YoungDaly,
+    )
     from uc_checkpoint.ops.manager import CheckpointManager
     from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
     from uc_checkpoint.ops.summary import describe_checkpoint, list_root
@@ -62,6 +74,14 @@ _LAZY = {
     "UCSavePlanner": ".dcp.planner",
     "StagingBuffers": ".dcp.buffers",
     "CheckpointManager": ".ops.manager",
+    "IntervalPolicy": ".ops.interval",
+    "EverySteps": ".ops.interval",
+    "EverySeconds": ".ops.interval",
+    "BlockedFraction": ".ops.interval",
+    "YoungDaly": ".ops.interval",
+    "Tighter": ".ops.interval",
+    "Looser": ".ops.interval",
+    "resume_mlflow_run": ".observability",
     "DataTracker": ".data.tracker",
     "ShardSpec": ".data.tracker",
     "TrackedDataLoader": ".data.loading",
@@ -69,6 +89,8 @@ _LAZY = {
     "TrackerStateful": ".data.loading",
     "collect_garbage": ".ops.garbage",
     "GCReport": ".ops.garbage",
+    "export_checkpoint": ".ops.export",
+    "ExportSummary": ".ops.export",
     "list_root": ".ops.summary",
     "describe_checkpoint": ".ops.summary",
     "verify_checkpoint": ".ops.verify",
@@ -97,9 +119,18 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BlockedFraction",
     "CheckpointExistsError",
     "CheckpointManager",
+    "EverySeconds",
+    "EverySteps",
+    "IntervalPolicy",
+    "Looser",
+    "Tighter",
+    "YoungDaly",
+    "resume_mlflow_run",
     "DataTracker",
+    "ExportSummary",
     "FsspecVolume",
     "GCReport",
     "LocalVolume",
@@ -110,6 +141,7 @@ __all__ = [
     "TrackerStateful",
     "collect_garbage",
     "describe_checkpoint",
+    "export_checkpoint",
     "list_root",
     "verify_checkpoint",
     "ConcurrentSaveError",
@@ -117,6 +149,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DataLoadingError",
     "DatasetMismatchError",
+    "ExactlyOnceError",
     "LocationNotEmptyError",
     "MemoryVolume",
     "ReaderOptions",

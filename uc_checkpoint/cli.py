@@ -1,4 +1,4 @@
-"""The ``uc-checkpoint`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``demo``, ``bench``.
+"""The ``uc-checkpoint`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``export``, ``demo``, ``bench``.
 
 Every verb takes local/FUSE paths, ``s3://bucket/prefix`` (boto3's configuration from the environment,
 e.g. ``AWS_ENDPOINT_URL``) and fsspec URLs. ``--json`` prints one JSON document for scripts. A user
@@ -143,8 +143,17 @@ def _inspect(args: argparse.Namespace) -> int:
         print(
             f"\n  data pipeline ({key}): epoch {st['epoch']}, {st['samples_consumed_in_epoch']} samples consumed, "
             f"{st['samples_remaining_in_epoch']} remaining in {st['shards_with_remaining_work']} of {st['num_shards']} "
-            f"shards (seed {st['seed']})"
+            f"shards (seed {st['seed']}{', shuffled within shards' if st.get('shuffle_within_shard') else ''})"
         )
+        eo = st.get("exactly_once") or {}
+        if eo.get("checks_out") is None:
+            print(f"    exactly-once digest: not checkable: {eo.get('problem')}")
+        else:
+            verdict = "checks out so far" if eo["checks_out"] else f"DOES NOT check out: {eo['problem']}"
+            print(
+                f"    exactly-once digest: {eo['samples_covered']} samples covered, {eo['shards_complete']} of "
+                f"{eo['shards']} shards complete; {verdict}"
+            )
     return 0
 
 
@@ -217,6 +226,50 @@ def _gc(args: argparse.Namespace) -> int:
         f"{verb} {len(report.deleted_files)} files ({report.deleted_bytes} bytes), "
         f"{len(report.removed_staging_dirs)} staging dirs; {uploads}"
     )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from uc_checkpoint.ops.export import export_checkpoint, parse_size
+
+    bar = None
+    if not args.json and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="export", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        summary = export_checkpoint(
+            args.checkpoint,
+            _where(args, args.dest),
+            format=args.format,
+            key=args.key,
+            strip_prefix=args.strip_prefix,
+            dtype=args.dtype,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            overwrite=args.overwrite,
+            staging_dir=args.staging_dir,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        _print_json(summary.as_dict())
+        return 0
+    n = len(summary.files)
+    print(
+        f"exported {summary.tensors} tensors ({_size(summary.tensor_bytes)}) to {summary.destination} in "
+        f"{n} file{'' if n == 1 else 's'}: {summary.entry} ({summary.seconds:.1f} s)"
+    )
+    if summary.skipped:
+        shown = ", ".join(summary.skipped[:5]) + (" ..." if len(summary.skipped) > 5 else "")
+        print(f"not exported ({len(summary.skipped)} items that are not tensors): {shown}")
     return 0
 
 
@@ -297,6 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--no-staging", action="store_true", help="leave local staging directories alone")
     gc.add_argument("--json", action="store_true", help="print JSON")
 
+    exp = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write a checkpoint's full tensors as safetensors or torch.save files for serving (docs/export.md)",
+    )
+    exp.add_argument("checkpoint", help="checkpoint location: path or URL")
+    exp.add_argument("dest", help="export location: path or URL (-o options apply to it)")
+    exp.add_argument("--format", required=True, choices=("safetensors", "torch"), help="output format")
+    exp.add_argument("--key", help="export only this sub-dict (e.g. model), its entries named as in it")
+    exp.add_argument("--strip-prefix", metavar="PREFIX", help="remove PREFIX (e.g. _orig_mod. or module.) from names")
+    exp.add_argument("--dtype", help="convert floating-point tensors to this dtype (bfloat16, float16, float32, ...)")
+    exp.add_argument(
+        "--max-shard-size", default="5GB", help="largest output file before a new one starts (default 5GB; 2GiB, ...)"
+    )
+    exp.add_argument("--overwrite", action="store_true", help="replace an export of this format at dest")
+    exp.add_argument("--staging-dir", help="local dir for files being written (default: $UC_CHECKPOINT_STAGING_DIR)")
+    exp.add_argument("--json", action="store_true", help="print a JSON summary")
+
     demo = sub.add_parser("demo", help="resume-after-preemption demo: train, get killed mid-upload, resume, compare")
     demo_run.build_parser(demo)
 
@@ -318,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    handlers = {"ls": _ls, "inspect": _inspect, "verify": _verify, "gc": _gc, "bench": _bench}
+    handlers = {"ls": _ls, "inspect": _inspect, "verify": _verify, "gc": _gc, "export": _export, "bench": _bench}
     try:
         if args.command == "demo":
             from uc_checkpoint.demo import run as demo_run

@@ -1,14 +1,20 @@
 """What each save and load did, as plain records: exposed through the Python API
 (``UCVolumeWriter.last_record``, ``UCVolumeReader.last_record``, ``CheckpointManager.last_save``), logged
 through :mod:`logging` (INFO), and, when an MLflow run is active, logged to it
-(:func:`log_to_mlflow`)."""
+(:func:`log_to_mlflow`).
+
+MLflow: each checkpoint records the run its save logged to (:func:`current_mlflow_run_id`, in the
+manifest's ``saved_by``, see :mod:`uc_checkpoint.format.layout`), so that a retried job resumes
+logging into the same run (:func:`resume_mlflow_run`). Docs: docs/operating.md, "MLflow"."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,61 @@ def active_mlflow_run_id() -> str | None:
     return None if run is None else run.info.run_id
 
 
+def current_mlflow_run_id() -> str | None:
+    """The MLflow run a save logs to and records: the active run (:func:`active_mlflow_run_id`),
+    else the ``MLFLOW_RUN_ID`` environment variable (the run a launcher or a retried job names),
+    else None."""
+    return active_mlflow_run_id() or os.environ.get("MLFLOW_RUN_ID") or None
+
+
+def recorded_mlflow_run_id(manifest: Mapping[str, Any] | None) -> str | None:
+    """The MLflow run id a checkpoint's manifest records (``saved_by["mlflow_run_id"]``), or None
+    (none recorded, or a manifest from another writer)."""
+    saved_by = (manifest or {}).get("saved_by")
+    run_id = saved_by.get("mlflow_run_id") if isinstance(saved_by, Mapping) else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+class ResumedFrom(Protocol):
+    """What :func:`resume_mlflow_run` needs of a :class:`~uc_checkpoint.ops.manager.CheckpointManager`:
+    the MLflow run id recorded in the checkpoint it loaded (None: none, or nothing loaded)."""
+
+    resumed_mlflow_run_id: str | None
+
+
+def resume_mlflow_run(manager: ResumedFrom, **start_run: Any) -> Any:
+    """Make the MLflow run a retried job logs to active, and return it (``mlflow.ActiveRun``):
+
+    1. an already active run wins (returned as it is);
+    2. else the run ``MLFLOW_RUN_ID`` names (``mlflow.start_run`` continues it);
+    3. else the run the checkpoint ``manager`` loaded recorded
+       (:attr:`CheckpointManager.resumed_mlflow_run_id`), continued;
+    4. else a new run, started with ``start_run`` (``mlflow.start_run``'s keyword arguments, such
+       as ``run_name``; used only for a new run).
+
+    Call it after ``manager.load(...)``, where the job logs to MLflow (usually rank 0). A
+    ``with`` block around the returned run ends it on exit, as ``mlflow.start_run`` does.
+    Metrics keep going to the run at the training step of each save: a run resumed this way gets
+    the retried job's saves after the first job's.
+
+    Raises:
+        what ``mlflow.start_run`` raises (an unknown run id, a tracking server that cannot be
+        reached).
+    """
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is not None:
+        return active
+    if os.environ.get("MLFLOW_RUN_ID"):
+        return mlflow.start_run(run_id=os.environ["MLFLOW_RUN_ID"])
+    resumed = manager.resumed_mlflow_run_id
+    if resumed is not None:
+        logger.info("continuing MLflow run %s, recorded in the checkpoint loaded", resumed)
+        return mlflow.start_run(run_id=resumed)
+    return mlflow.start_run(**start_run)
+
+
 def log_to_mlflow(run_id: str, event: SaveEvent) -> None:
     """Log a save to MLflow run ``run_id``: ``checkpoint/blocked_s``, ``checkpoint/publish_s``,
     ``checkpoint/bytes`` and ``checkpoint/MBps`` as metrics at the training step, the location as
@@ -129,4 +190,12 @@ def log_to_mlflow(run_id: str, event: SaveEvent) -> None:
         logger.warning("could not log checkpoint step %d to MLflow run %s", event.step, run_id, exc_info=True)
 
 
-__all__ = ["SaveEvent", "TransferRecord", "active_mlflow_run_id", "log_to_mlflow"]
+__all__ = [
+    "SaveEvent",
+    "TransferRecord",
+    "active_mlflow_run_id",
+    "current_mlflow_run_id",
+    "log_to_mlflow",
+    "recorded_mlflow_run_id",
+    "resume_mlflow_run",
+]

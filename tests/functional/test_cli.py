@@ -78,8 +78,11 @@ def test_ls_inspect_verify_on_a_local_root(tmp_path: Path, staging: Path) -> Non
     (state,) = info["data_pipeline"].values()
     assert state["epoch"] == 0 and state["samples_consumed_in_epoch"] == 60
     assert state["samples_remaining_in_epoch"] == 300 - 60 and state["num_shards"] == 6
+    eo = state["exactly_once"]
+    assert eo["checks_out"] is True and eo["samples_covered"] == 60 and eo["shards_complete"] == 1
     text = cli("inspect", str(root / "step_00000020")).stdout
     assert "model.w" in text and "60 samples consumed" in text
+    assert "exactly-once digest: 60 samples covered, 1 of 6 shards complete; checks out so far" in text
 
     good = cli("verify", str(root / "step_00000010"), "-v")  # -v after the verb works too
     assert good.returncode == 0 and ": OK;" in good.stdout and " checksummed (" in good.stdout, (

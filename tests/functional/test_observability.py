@@ -1,21 +1,18 @@
 """Every save and load yields a record (bytes, files, seconds, retries) through the Python API and
-logging; the manager's save events reach an active MLflow run (a local file-based tracking store)."""
+logging. (The manager's save events reaching MLflow: tests/integration/test_mlflow_server.py, against a
+real ``mlflow server``.)"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-import mlflow
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from mlflow.tracking import MlflowClient
 
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
-from uc_checkpoint.observability import active_mlflow_run_id
-from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import S3Volume
 
 
@@ -64,31 +61,3 @@ def test_retries_are_counted_on_a_throttling_store(
     assert torch.equal(out["w"], state(2.0)["w"])
     assert fault_proxy.injected["throttle"] - saved_throttles == 2
     assert reader.last_record.retries == 2
-
-
-def test_manager_events_reach_mlflow(tmp_path: Path, staging: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A local file-based tracking store (MLflow 3 wants an explicit opt-in for it).
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
-    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None)
-    assert active_mlflow_run_id() is None
-    with mlflow.start_run() as run:
-        for step in (5, 10):
-            manager.save(step, state(float(step)))
-            manager.wait()
-            event = manager.last_save
-            assert event.ok and event.step == step and event.location.endswith(f"step_{step:08d}")
-            assert event.bytes and event.bytes >= 256 * 1024 * 4 and event.files >= 1
-            assert 0 <= event.blocked_s <= event.publish_s
-    client = MlflowClient()
-    history = client.get_metric_history(run.info.run_id, "checkpoint/publish_s")
-    assert [m.step for m in history] == [5, 10] and all(m.value > 0 for m in history)
-    assert [m.value for m in client.get_metric_history(run.info.run_id, "checkpoint/bytes")] == [
-        float(manager.last_save.bytes)
-    ] * 2
-    tags = client.get_run(run.info.run_id).data.tags
-    assert tags["checkpoint/location"].endswith("step_00000010") and tags["checkpoint/step"] == "10"
-    # No active run: nothing is logged and nothing fails.
-    manager.save(15, state(15.0))
-    manager.wait()
-    assert manager.last_save.ok and len(client.get_metric_history(run.info.run_id, "checkpoint/publish_s")) == 2

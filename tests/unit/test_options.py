@@ -15,8 +15,9 @@ from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
 
-# staging_buffers: an object kept across saves (CheckpointManager(reuse_staging_buffers=True) owns one)
-MANAGER_OWNED = {"self", "path", "staging_dir", "volume_options", "staging_buffers"}
+# staging_buffers: an object kept across saves (CheckpointManager(reuse_staging_buffers=True) owns one);
+# mlflow_run_id: the run the manager logs to, recorded per save
+MANAGER_OWNED = {"self", "path", "staging_dir", "volume_options", "staging_buffers", "mlflow_run_id"}
 # Taken for drop-in use in place of DCP's FileSystemWriter/Reader; the options carry ours.
 DCP_SPELLINGS = {
     "single_file_per_rank",

@@ -459,9 +459,7 @@ def test_a_failed_write_that_cannot_be_read_back_says_it_may_have_landed(
     volume = make_volume(kind, tmp_path, memory_root, _LandsThenFailsReads)
     volume.prepare_for_write()
     with pytest.raises(TransferError, match=r"read timeout on PUT .*this publish may have landed: look before") as err:
-        publish.publish_metadata(
-            volume, ".metadata", _metadata("s-mine"), overwrite=True, read_manifest=_json_manifest
-        )
+        publish.publish_metadata(volume, ".metadata", _metadata("s-mine"), overwrite=True, read_manifest=_json_manifest)
     assert isinstance(err.value.__cause__, TransferError)
 
 

@@ -162,6 +162,9 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last load (None before one).
         self.last_record: TransferRecord | None = None
+        #: The manifest of the checkpoint this reader last set up a load of (None before one, or for
+        #: a checkpoint without one): ``saved_by`` says who saved it (:mod:`uc_checkpoint.format.layout`).
+        self.last_manifest: Mapping[str, Any] | None = None
         self.download_workers = download_workers
         self.verify_checksums = verify_checksums
         self.prefetch_files = prefetch_files
@@ -244,7 +247,7 @@ class UCVolumeReader(SessionOwner, FileSystemReader):  # type: ignore[misc]  # r
         if getattr(metadata, _MISSING_ATTR, False):
             raise load.metadata_error or CheckpointNotFoundError(f"no checkpoint at {self.volume.url}")
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        load.manifest = metadata_io.manifest_of(metadata)
+        load.manifest = self.last_manifest = metadata_io.manifest_of(metadata)
         load.records = layout.manifest_records(load.manifest)
         load.min_sizes = metadata_io.referenced_files(metadata)
         load.chunks = chunk_shapes(metadata)

@@ -312,11 +312,15 @@ def complete_metadata(
     storage_meta: StorageMeta | None,
     save_id: str,
     records: Iterable[FileRecord],
+    mlflow_run_id: str | None = None,
 ) -> None:
     """Fill in what the storage layer owns in DCP's ``metadata``: the format version, where each
     item is stored, ``storage_meta``, and our manifest of the data files ``records`` (see
-    :mod:`uc_checkpoint.format.layout`), signed with this process's host, pid and the time."""
-    saved_by = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    :mod:`uc_checkpoint.format.layout`), signed with this process's host, pid and the time (and
+    ``mlflow_run_id``, the MLflow run of the save, when given)."""
+    saved_by: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    if mlflow_run_id is not None:
+        saved_by["mlflow_run_id"] = mlflow_run_id
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = storage_md
     metadata.storage_meta = storage_meta

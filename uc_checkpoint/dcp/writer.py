@@ -214,6 +214,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             of new memory (docs/benchmarks.md, "Staging for async_save"), at the cost of one copy of the rank's
             state kept between saves. None (default): each snapshot in new memory, freed with its
             save.
+        mlflow_run_id: the MLflow run this save belongs to, recorded in the manifest's
+            ``saved_by`` (readable from ``.metadata`` alone); None records none.
+            :class:`~uc_checkpoint.CheckpointManager` passes the run it logs to.
         _extensions: DCP's stream extensions, e.g. ``[ZStandard()]``, in DCP's format (stock readers
             load the checkpoint; the manifest's checksums are of the stored, transformed bytes).
         single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict, serialization_format:
@@ -260,6 +263,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         volume_options: dict[str, Any] | None = None,
         spread_prefixes: int | None = None,
         staging_buffers: StagingBuffers | None = None,
+        mlflow_run_id: str | None = None,
         _extensions: Sequence[StreamTransformExtension] | None = None,
         single_file_per_rank: bool | None = None,
         per_thread_copy_ahead: int = 10_000_000,
@@ -289,6 +293,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         self.sync_volume = sync_files
         self.spread_prefixes = spread_prefixes
         self.staging_buffers = staging_buffers
+        self.mlflow_run_id = mlflow_run_id
         #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last save (None before
         #: one succeeded; in DCP's PROCESS mode it stays in the background process).
         self.last_record: TransferRecord | None = None
@@ -519,7 +524,9 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
             finally:
                 if published is not None:
                     concurrent.futures.wait([published])  # nothing of this save runs on after it
-            complete_metadata(metadata, storage_md, self.storage_meta(), self.save_id, records.values())
+            complete_metadata(
+                metadata, storage_md, self.storage_meta(), self.save_id, records.values(), self.mlflow_run_id
+            )
             current = published.result() if published is not None else publish.read_published(*args)
             superseded = _files_of_published(volume, meta_name, current)
             blob = metadata_io.dump_metadata(metadata)

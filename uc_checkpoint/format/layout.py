@@ -13,7 +13,8 @@ block, see :mod:`uc_checkpoint.format.integrity`) as the plain-dict attribute ``
     {"format": 3, "save_id": str, "checksum": "crc32",
      "files": {name: {"size": int, "crc32": "8 hex digits",
                       "block_size": int, "blocks": bytes (big-endian uint32 per block)}},
-     "saved_by": {"host": str, "pid": int, "time": unix seconds}}   # since 0.1; optional
+     "saved_by": {"host": str, "pid": int, "time": unix seconds,   # since 0.1; optional
+                  "mlflow_run_id": str}}                           # optional: the save's MLflow run
 
 Format 1 (written by the first release) has no ``block_size``/``blocks``; it still loads. Format 3
 means the ``.metadata`` ends with a checksum trailer over the whole pickle (see

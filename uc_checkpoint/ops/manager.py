@@ -9,8 +9,8 @@ data files and, once complete, ``.metadata``) and a ``latest`` pointer file for 
 The policies the manager applies live in modules of their own: which checkpoints retention
 deletes (:mod:`uc_checkpoint.ops.retention`), the preemption flag
 (:mod:`uc_checkpoint.ops.preemption`), the writer's and reader's settings
-(:mod:`uc_checkpoint.ops.options`), rollbacks (:mod:`uc_checkpoint.ops.lineage`) and how the ranks
-agree (:mod:`uc_checkpoint.ops.ranks`). What stays here is the order of those calls around a save:
+(:mod:`uc_checkpoint.ops.options`), rollbacks (:mod:`uc_checkpoint.ops.lineage`), how the ranks
+agree (:mod:`uc_checkpoint.ops.ranks`) and how often to save (:mod:`uc_checkpoint.ops.interval`). What stays here is the order of those calls around a save:
 the rollback check before the first one, the record, pointer and retention after each (the save in
 flight: :mod:`uc_checkpoint.ops.inflight`).
 """
@@ -37,9 +37,10 @@ from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.errors import CheckpointNotFoundError, TransferError, VolumeError, one_line
 from uc_checkpoint.format.layout import METADATA_NAME
-from uc_checkpoint.observability import SaveEvent, active_mlflow_run_id
+from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, recorded_mlflow_run_id
 from uc_checkpoint.ops import catalog, inflight, lineage, retention
 from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo, checkpoint_name
+from uc_checkpoint.ops.interval import IntervalPolicy, SaveSchedule
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments
 from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
 from uc_checkpoint.ops.ranks import RankGroup
@@ -100,6 +101,14 @@ class CheckpointManager:
         volume_options: options for the root's volume when ``root`` is a path or URL (S3 endpoint,
             addressing style, checksums, part size, ...; see :func:`uc_checkpoint.volumes.open_volume`);
             every checkpoint under the root gets them.
+        save_interval: how often :meth:`should_save` says to save: an
+            :class:`~uc_checkpoint.ops.interval.IntervalPolicy` (``EverySteps(n)``,
+            ``EverySeconds(s)``, ``BlockedFraction(f)``, ``YoungDaly(mtbf_s=...)``, ...). None: the
+            caller decides when to save.
+
+    MLflow: each save records the run it logs to (the active run, else ``MLFLOW_RUN_ID``) in the
+    checkpoint's manifest; :attr:`resumed_mlflow_run_id` is the one of the checkpoint loaded (see
+    :func:`uc_checkpoint.observability.resume_mlflow_run`).
 
     Rank 0 of the group lists, validates and prunes; the others receive its answers. A failure on
     rank 0 is raised on every rank as the same exception class with the same message (so no rank
@@ -127,6 +136,7 @@ class CheckpointManager:
         writer_options: WriterOptions | Mapping[str, Any] | None = None,
         reader_options: ReaderOptions | Mapping[str, Any] | None = None,
         volume_options: dict[str, Any] | None = None,
+        save_interval: IntervalPolicy | None = None,
     ) -> None:
         check_manager_arguments(
             root,
@@ -167,6 +177,9 @@ class CheckpointManager:
         self._resumed_from: int | None = None
         self._lineage_checked = False
         self._abandoned: set[int] = set()
+        self._schedule = None if save_interval is None else SaveSchedule(save_interval, self.root.url, process_group)
+        #: The MLflow run id the checkpoint last loaded recorded (None: none, or nothing loaded).
+        self.resumed_mlflow_run_id: str | None = None
 
     # ------------------------------------------------------------------ ranks
 
@@ -305,7 +318,24 @@ class CheckpointManager:
             ValueError: ``step`` is negative.
             CheckpointException (DCP's) with our errors inside: the previous or this (sync) save failed.
         """
-        return self._save(step, state_dict, asynchronous=self.async_save)
+        started = time.monotonic()
+        done = self._save(step, state_dict, asynchronous=self.async_save)
+        if self._schedule is not None:
+            self._schedule.saved(step, time.monotonic() - started)
+        return done
+
+    def should_save(self, step: int) -> bool:
+        """Whether to :meth:`save` at ``step`` by the ``save_interval`` policy: every rank calls it
+        at every step and gets the same answer, without collectives
+        (:class:`~uc_checkpoint.ops.interval.SaveSchedule`). Stays True until :meth:`save`.
+
+        Raises:
+            ValueError: the manager has no ``save_interval``, or ``step`` is negative.
+            TypeError: ``step`` is not an int.
+        """
+        if self._schedule is None:
+            raise ValueError("should_save() needs CheckpointManager(save_interval=...), e.g. EverySteps(1000)")
+        return self._schedule.should_save(step)
 
     def wait_until_staged(self, timeout: float | None = None) -> None:
         """Block until the save in flight no longer reads the state passed to :meth:`save`; from
@@ -345,14 +375,15 @@ class CheckpointManager:
             self._on_leader("check for a rollback", lambda: self._check_rollback(step))
             self._lineage_checked = True
         location = self.root.child(name)
+        leader = self._ranks.is_leader()
+        run_id = current_mlflow_run_id() if leader else None
         writer = UCVolumeWriter(
             location,
             staging_dir=self.staging_dir,
             staging_buffers=self._staging_buffers,
+            mlflow_run_id=run_id,
             **self.writer_options.as_kwargs(),
         )
-        leader = self._ranks.is_leader()
-        run_id = active_mlflow_run_id() if leader else None
         group = self._ranks.save_group()
         pending = inflight.PendingSave(step, location.url, leader, run_id, asynchronous)  # starts the clock
         try:
@@ -646,6 +677,9 @@ class CheckpointManager:
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options.as_kwargs())
         dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
         self._resumed_from = step
+        self.resumed_mlflow_run_id = recorded_mlflow_run_id(reader.last_manifest)
+        if self._schedule is not None:
+            self._schedule.restart()
         return step
 
 

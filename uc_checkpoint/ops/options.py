@@ -32,6 +32,7 @@ _MANAGER_OWNED = {
     "staging_dir": "pass CheckpointManager(staging_dir=...)",
     "volume_options": "pass CheckpointManager(volume_options=...): every checkpoint under the root gets them",
     "staging_buffers": "pass CheckpointManager(reuse_staging_buffers=True): the manager keeps one set for its saves",
+    "mlflow_run_id": "the manager records the MLflow run it logs to (uc_checkpoint.observability)",
 }
 
 
