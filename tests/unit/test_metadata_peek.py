@@ -286,7 +286,8 @@ def test_malformed_storage_data_is_refused(meta: Metadata, damage: str) -> None:
         pytest.param(lambda b: metadata_peek.split_trailer(b)[0], id="lost-trailer"),
         pytest.param(lambda b: metadata_peek.split_trailer(b)[0][:-1], id="lost-trailer-and-stop"),
         pytest.param(lambda b: b"\x00" + b[1:], id="checksum"),
-        pytest.param(lambda b: b[:-2] + b"0\n", id="trailer-digit"),
+        # The trailer's last digit changed (to 1 where it was 0: the damage must change something).
+        pytest.param(lambda b: b[:-2] + (b"1" if b[-2:-1] == b"0" else b"0") + b[-1:], id="trailer-digit"),
         pytest.param(lambda b: pickle.dumps({"state_dict_metadata": {}}), id="not-metadata"),
         pytest.param(lambda b: b"\x80\x04K\x01Q.", id="persistent-id"),
         pytest.param(lambda b: b"\x80\x04\x82\x01.", id="extension-code"),
