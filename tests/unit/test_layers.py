@@ -171,9 +171,13 @@ def _private_torch_imports(path: Path) -> list[str]:
             if module_private or names:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: from {node.module} import ...")
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = node.value
-            if isinstance(base, ast.Name) and base.id in ("torch", "threading"):
-                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {base.id}.{node.attr}")
+            # torch._x, threading._x, and a private name at the end of a torch module chain
+            # (dist.distributed_c10d._x, torch.distributed.checkpoint._x).
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in ("torch", "threading", "dist", "dcp"):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
     return found
 
 

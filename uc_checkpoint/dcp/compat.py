@@ -57,6 +57,20 @@ except ImportError:  # pragma: no cover - older torch
 DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 
+def default_store() -> Any:
+    """The default process group's c10d key-value store (``distributed_c10d._get_default_store``,
+    checked on torch 2.13). Its ``set``/``get``/``add`` are requests to the store, not collectives
+    on a process group, so the training thread may use them while a background save's collectives
+    run (:mod:`uc_checkpoint.ops.interval`).
+
+    Raises:
+        ValueError (torch's): the default process group is not initialised.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
 def cpu_loader(resolve: Callable[[Any], Any], thread_count: int, copy_ahead_bytes: int) -> Any:
     """The loader DCP's ``_write_files_from_queue`` would choose: tensors of a synchronous save on an
     accelerator (CUDA or a PrivateUse1 device) are copied to the CPU ahead of serialisation when one
@@ -163,6 +177,7 @@ __all__ = [
     "_split_by_size_and_type",
     "copy_tensors",
     "cpu_loader",
+    "default_store",
     "dtensor_like",
     "dtensor_local",
     "narrow_tensor_by_index",

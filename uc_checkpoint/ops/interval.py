@@ -46,6 +46,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from uc_checkpoint.dcp import compat
+
 logger = logging.getLogger(__name__)
 
 #: Steps rank 0 times before the first decision of a policy that needs the step time.
@@ -412,7 +414,7 @@ class SaveSchedule:
 
     def _key(self, n: int) -> str:
         if self._prefix is None:
-            self._store = dist.distributed_c10d._get_default_store()
+            self._store = compat.default_store()
             leader = dist.get_process_group_ranks(self.group or dist.group.WORLD)[0]
             base = f"uc_checkpoint/next_save/{self.name}/{leader}"
             # Each rank counts its own schedules of this root: ranks create them in the same order,
