@@ -245,6 +245,13 @@ def test_one_line_errors(saved: dict, tmp_path: Path, staging: Path) -> None:
     bad_dtype = cli("export", str(saved["path"]), str(tmp_path / "out"), "--format", "torch", "--dtype", "int8")
     assert bad_dtype.returncode == 2 and "'int8'" in bad_dtype.stderr
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    to_file = cli("export", str(saved["path"]), str(a_file), "--format", "torch")
+    assert to_file.returncode == 2 and "export destination: " in to_file.stderr and str(a_file) in to_file.stderr
+    inside = cli("export", str(saved["path"]), str(saved["path"] / "exported"), "--format", "torch")
+    assert inside.returncode == 2 and "is inside the checkpoint" in inside.stderr, inside.stderr
+    assert not (saved["path"] / "exported").exists()
 
 
 def test_missing_safetensors_names_the_extra(saved: dict, tmp_path: Path) -> None:

@@ -60,3 +60,13 @@ def test_missing_pyarrow_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     with pytest.raises(ImportError, match=r"pip install 'uc-checkpoint\[hf\]'"):
         HfDatasetReader(tmp_path)
+
+
+def test_a_dataset_dict_root_is_refused_naming_its_splits(tmp_path: Path) -> None:
+    """Reading every split of a DatasetDict as one dataset would mix test data into training."""
+    d = datasets.Dataset.from_dict({"x": list(range(10))})
+    datasets.DatasetDict({"train": d, "test": d}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataFormatError, match=r"dataset_dict\.json: a DatasetDict .*splits: .*train.*read one split"):
+        HfDatasetReader(tmp_path / "dd").shards()
+    (spec,) = HfDatasetReader(tmp_path / "dd" / "train").shards()
+    assert spec.num_samples == 10

@@ -71,3 +71,13 @@ def test_file_shrunk_after_discovery(tmp_path: Path) -> None:
     fresh = TokenReader(tmp_path, 9, dtype="uint16")
     with pytest.raises(Exception, match=r"a\.bin"):
         list(fresh(shard, 30, 40))
+
+
+def test_an_empty_bin_has_no_samples_and_reads_as_empty(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"")
+    np.arange(20, dtype=np.uint16).tofile(tmp_path / "b.bin")
+    reader = TokenReader(tmp_path, 4, dtype="uint16")
+    empty, full = reader.shards()
+    assert (empty.num_samples, full.num_samples) == (0, 4)
+    assert list(reader(empty, 0, 0)) == []
+    assert list(reader.read_indices(empty, np.array([], dtype=np.int64))) == []

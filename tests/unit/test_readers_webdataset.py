@@ -74,3 +74,13 @@ def test_not_a_tar(tmp_path: Path) -> None:
     (tmp_path / "a.tar").write_bytes(b"\x01" * 2048)
     with pytest.raises(DataFormatError, match=r"a\.tar.*not a readable tar"):
         WebDatasetReader(tmp_path).shards()
+
+
+def test_a_member_twice_in_one_sample_is_refused(tmp_path: Path) -> None:
+    """tarfile keeps both members of one name; a sample with the field twice would lose one."""
+    path = tmp_path / "dup.tar"
+    with tarfile.open(path, "w") as tar:
+        add(tar, "0001.txt", b"a")
+        add(tar, "0001.txt", b"b")
+    with pytest.raises(DataFormatError, match=r"dup\.tar: member '0001\.txt' appears twice"):
+        WebDatasetReader(tmp_path).shards()

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.engine.publish import check_data_files, publish_metadata, remove_superseded
 from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir, staging_dir_for
-from uc_checkpoint.errors import CheckpointExistsError, TransferError
+from uc_checkpoint.errors import CheckpointExistsError, TransferError, VolumeError
 from uc_checkpoint.ops.export_formats import ExportFormat, export_format, files_of_index, index_bytes
 from uc_checkpoint.volumes import Volume, open_volume
 
@@ -350,7 +350,8 @@ def export_checkpoint(
         CorruptCheckpointError: the checkpoint's files are missing, truncated or damaged (named).
         CheckpointExistsError: an export of this format is at ``dest`` and ``overwrite`` is false,
             or one appeared while this one ran.
-        ValueError: see :func:`plan_export`; a dtype the format cannot hold; an unknown format.
+        ValueError: see :func:`plan_export`; a dtype the format cannot hold; an unknown format;
+            ``dest`` inside the checkpoint.
         UCCheckpointError: ``safetensors`` is asked for and the package is missing.
         TransferError / VolumeError: ``dest`` cannot be written, or a file landed with another size.
     """
@@ -364,7 +365,15 @@ def export_checkpoint(
     )
     fmt.check_dtypes({t.dtype for t in plan.tensors})
     volume = open_volume(dest, **(volume_options or {}))
-    volume.prepare_for_write(create_parents=True)
+    inside = volume.url.rstrip("/") + "/"
+    if inside.startswith(source.rstrip("/") + "/"):
+        raise ValueError(
+            f"export destination {volume.url} is inside the checkpoint {source}: choose a location outside it"
+        )
+    try:
+        volume.prepare_for_write(create_parents=True)
+    except VolumeError as exc:
+        raise VolumeError(f"export destination: {exc}") from exc
     listing = volume.list_files()
     old_entries, old_shards = _existing(volume, fmt, listing)
     if old_entries and not overwrite:

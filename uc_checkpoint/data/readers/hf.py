@@ -112,6 +112,17 @@ class HfDatasetReader(ShardReader):
     def shard_files(self) -> list[str]:
         """``state.json``'s ``_data_files`` in order where it lists them, else the ``.arrow`` files."""
         if self.files is None:
+            splits = self.volume.read_bytes("dataset_dict.json")
+            if splits is not None:
+                try:
+                    names = ", ".join(str(n) for n in json.loads(splits).get("splits", []))
+                except (ValueError, TypeError, AttributeError):
+                    names = "see its dataset_dict.json"
+                raise self.malformed(
+                    "dataset_dict.json",
+                    f"a DatasetDict saved with save_to_disk (splits: {names}); read one split: "
+                    f"HfDatasetReader('{self.volume.url}/<split>')",
+                )
             raw = self.volume.read_bytes("state.json")
             if raw is not None:
                 try:

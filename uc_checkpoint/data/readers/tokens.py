@@ -159,6 +159,8 @@ class TokenReader(ShardReader):
         if end * self.window > layout.tokens:
             raise self.malformed(name, f"window {end - 1} ends past its {layout.tokens} tokens")
         w = self.window
+        if start >= end:
+            return
         if self.local_path(name) is not None:
             tokens = self._tokens(name, layout)
             for i in range(start, end):

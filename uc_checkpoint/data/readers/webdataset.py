@@ -103,6 +103,10 @@ class WebDatasetReader(ShardReader):
                         raise self.malformed(name, f"truncated: member {member.name!r} ends past its {size} bytes")
                     key, field = split_key(member.name)
                     if samples and samples[-1][0] == key:
+                        if any(f == field for f, _, _ in samples[-1][1]):
+                            raise self.malformed(
+                                name, f"member {member.name!r} appears twice: sample {key!r} has two {field!r} fields"
+                            )
                         samples[-1][1].append((field, member.offset_data, member.size))
                     else:
                         samples.append((key, [(field, member.offset_data, member.size)]))
