@@ -10,9 +10,10 @@ The policies the manager applies live in modules of their own: which checkpoints
 deletes (:mod:`uc_checkpoint.ops.retention`), the preemption flag
 (:mod:`uc_checkpoint.ops.preemption`), the writer's and reader's settings
 (:mod:`uc_checkpoint.ops.options`), rollbacks (:mod:`uc_checkpoint.ops.lineage`), how the ranks
-agree (:mod:`uc_checkpoint.ops.ranks`) and how often to save (:mod:`uc_checkpoint.ops.interval`). What stays here is the order of those calls around a save:
-the rollback check before the first one, the record, pointer and retention after each (the save in
-flight: :mod:`uc_checkpoint.ops.inflight`).
+agree (:mod:`uc_checkpoint.ops.ranks`) and how often to save (:mod:`uc_checkpoint.ops.interval`).
+What stays here is the order of those calls around a save: the rollback check before the first
+one, the record, pointer and retention after each (the save in flight:
+:mod:`uc_checkpoint.ops.inflight`).
 """
 
 from __future__ import annotations
