@@ -3,7 +3,7 @@
 ``.metadata`` is a pickle (DCP's format), and unpickling calls whatever functions the pickle names.
 A checkpoint is data, often from a shared bucket or another team, so it is decoded with an
 unpickler that resolves only the globals DCP's metadata is made of (:data:`ALLOWED_GLOBALS`, plus
-torch dtypes by name). The decoded ``Metadata`` is then checked so that every data file it (or our
+torch dtypes by name, and ``getattr`` only as the by-name form of one of its enums' members). The decoded ``Metadata`` is then checked so that every data file it (or our
 manifest, see :mod:`uc_checkpoint.format.layout`) names is a plain file inside the checkpoint location.
 
 The torch-free parts (the checksum trailer, the allow-list, the file-name rules, the checks of
@@ -13,12 +13,13 @@ its torch-free reader of what a ``.metadata`` references (``uc-checkpoint ls``).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import logging
 import pickle
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -34,11 +35,13 @@ from uc_checkpoint.format import layout
 from uc_checkpoint.format import manifest as manifest_format
 from uc_checkpoint.format.metadata_peek import (
     ALLOWED_GLOBALS,
+    GETATTR_GLOBAL,
     TRAILER_PREFIX,
     check_manifest,
     check_storage_entry,
     check_trailer_kept,
     checked_payload,
+    enum_member_error,
     storage_mapping,
     unsafe_global,
 )
@@ -66,6 +69,31 @@ def is_allowed_global(module: str, name: str) -> bool:
     return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
 
 
+class _EnumLookup:
+    """What :class:`_RestrictedUnpickler` resolves ``builtins.getattr`` to: ``getattr`` for an enum
+    member named by name (:func:`~uc_checkpoint.format.metadata_peek.enum_member_error`), refusing
+    any other use. No ``__dict__``: a pickle cannot set state on it."""
+
+    __slots__ = ("_where",)
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+
+    def __call__(self, *args: object) -> Any:
+        owner, name = args if len(args) == 2 else (None, None)
+        key = None
+        if (
+            isinstance(owner, type)
+            and issubclass(owner, enum.Enum)
+            and is_allowed_global(owner.__module__, owner.__qualname__)
+        ):
+            key = (owner.__module__, owner.__qualname__)
+        error = enum_member_error(key, name, self._where)
+        if error is not None:
+            raise error
+        return cast(type[enum.Enum], owner)[cast(str, name)]
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that refuses every global :func:`is_allowed_global` does not accept.
 
@@ -82,6 +110,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._before: dict[int, tuple[str, Any, dict[str, Any]]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == GETATTR_GLOBAL:
+            return _EnumLookup(self._where)
         if not is_allowed_global(module, name):
             raise unsafe_global(module, name, self._where)
         obj = super().find_class(module, name)

@@ -76,6 +76,50 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     }
 )
 
+#: The enum classes among :data:`ALLOWED_GLOBALS`, with their member names as torch 2.13 defines
+#: them. Python 3.11's first releases (3.11.2, Debian 12's, among them) pickle an enum member by name,
+#: as ``getattr(EnumClass, "NAME")``; later releases pickle it by value (``EnumClass(value)``). So
+#: ``builtins.getattr`` is accepted in exactly that form: its first argument one of these classes,
+#: its second one of that class's member names (:data:`GETATTR_GLOBAL`). A test checks these names
+#: agree with torch's enums.
+ENUM_MEMBERS: dict[tuple[str, str], frozenset[str]] = {
+    key: frozenset({"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"})
+    for key in (
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+    )
+}
+
+#: ``(module, name)`` of ``getattr``, which a ``.metadata`` pickle may name only to look up an enum
+#: member by name (:data:`ENUM_MEMBERS`).
+GETATTR_GLOBAL = ("builtins", "getattr")
+
+
+def enum_member_error(owner: object, name: object, where: str) -> UnsafeMetadataError | None:
+    """Why ``getattr(owner, name)`` in the ``.metadata`` at ``where`` is refused, or None when it is
+    the by-name form of an enum member (:data:`ENUM_MEMBERS`).
+
+    Args:
+        owner: the ``(module, name)`` of the global the pickle passed as the first argument, or None
+            when it passed anything but a global of :data:`ENUM_MEMBERS`.
+        name: the pickle's second argument.
+        where: the file's path or URL, for messages.
+    """
+    members = ENUM_MEMBERS.get(owner) if isinstance(owner, tuple) else None
+    if members is None:
+        why = (
+            f"a .metadata may use it only to name a member of {' or '.join(sorted('.'.join(k) for k in ENUM_MEMBERS))}"
+        )
+    elif not isinstance(name, str) or name not in members:
+        why = f"{name!r} is not a member of {'.'.join(cast(tuple[str, str], owner))}"
+    else:
+        return None
+    return UnsafeMetadataError(
+        f"refusing to unpickle builtins.getattr from {where}: {why}; pass allow_unsafe_metadata=True to "
+        "UCVolumeReader only if you trust this checkpoint"
+    )
+
+
 #: The names of torch's dtypes (``torch.float32`` pickles as the global ``torch float32``), aliases
 #: included, as torch 2.13 defines them: what :func:`peek_metadata` accepts as ``torch.<name>``
 #: without importing torch. The real decoder asks torch itself; a test checks the two agree, so a
@@ -361,6 +405,27 @@ def _field(obj: _StandIn, fields: Mapping[Any, Any], name: str, where: str) -> A
     return fields[name]
 
 
+class _InertEnumLookup:
+    """What :class:`_InertUnpickler` puts in place of ``builtins.getattr``: called with a stand-in
+    enum class and a member name (:func:`enum_member_error`), it gives an instance of that stand-in
+    holding the name; anything else is refused. No ``__dict__``: a pickle cannot set state on it."""
+
+    __slots__ = ("_where",)
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+
+    def __call__(self, *args: object) -> _StandIn:
+        owner, name = args if len(args) == 2 else (None, None)
+        key = owner._uc_global if isinstance(owner, type) and issubclass(owner, _StandIn) else None
+        error = enum_member_error(key, name, self._where)
+        if error is not None:
+            raise error
+        member = object.__new__(cast(type[_StandIn], owner))
+        member._args, member._fields = (), {"_name_": name}
+        return member
+
+
 class _InertUnpickler(pickle.Unpickler):
     """An unpickler whose globals are inert stand-ins (:class:`_StandIn`) of the globals a
     ``.metadata`` may name, made for this load; any other global is refused, nothing imported."""
@@ -371,9 +436,11 @@ class _InertUnpickler(pickle.Unpickler):
         self._where = where
         self._classes: dict[tuple[str, str], type[_StandIn]] = {}
 
-    def find_class(self, module: str, name: str) -> type[_StandIn]:
+    def find_class(self, module: str, name: str) -> Any:
         # No persistent_load: pickle refuses persistent ids, as for the real decoder.
         key = (module, name)
+        if key == GETATTR_GLOBAL:
+            return _InertEnumLookup(self._where)
         if key not in ALLOWED_GLOBALS and not (module == "torch" and name in TORCH_DTYPE_NAMES):
             raise unsafe_global(module, name, self._where)
         cls = self._classes.get(key)
