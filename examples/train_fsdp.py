@@ -10,8 +10,8 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (this script never sets them)::
 
 Relaunched after a preemption or crash (a job retry), it resumes from the newest published
 checkpoint under ``--checkpoint-root``: model, optimizer, step and data position (every rank's and
-DataLoader worker's), on any number of nodes. SIGTERM makes every rank stop at the same step and
-take a final checkpoint. Checkpoints are serialised to node-local staging (``--staging-dir`` or
+DataLoader worker's), on any number of nodes. SIGTERM, to the agent or to every process of a node,
+makes every rank stop at the same step and take a final checkpoint. Checkpoints are serialised to node-local staging (``--staging-dir`` or
 ``$UC_CHECKPOINT_STAGING_DIR``, default the system temp dir) and uploaded while training goes on.
 With ``MLFLOW_TRACKING_URI`` (or ``MLFLOW_RUN_ID`` / ``MLFLOW_EXPERIMENT_NAME``) set, rank 0 logs the
 loss every ``--log-every`` steps and the manager logs each checkpoint. See examples/README.md.
@@ -92,13 +92,15 @@ def build_model(device: torch.device, mesh: Any) -> nn.Module:
 
 def start_mlflow(rank: int, manager: CheckpointManager) -> Any:
     """Rank 0's MLflow module with a run active, or None when MLflow is not configured. A retried
-    job continues the run its checkpoint recorded (or the one $MLFLOW_RUN_ID names)."""
+    job continues the run its checkpoint recorded, also where $MLFLOW_RUN_ID names another (a
+    launcher that makes a new run per attempt, as Databricks AI Runtime does); a job with no
+    checkpoint yet logs to the run $MLFLOW_RUN_ID names, else a new one."""
     configured = any(os.environ.get(v) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"))
     if rank != 0 or not configured:
         return None
     import mlflow
 
-    resume_mlflow_run(manager)
+    resume_mlflow_run(manager, prefer="checkpoint")
     return mlflow
 
 
@@ -194,7 +196,8 @@ def main() -> int:
     if mlflow is not None:
         mlflow.end_run()
     dist.destroy_process_group()
-    return 143 if preempted else 0  # 128 + SIGTERM: a retry policy relaunches a preempted job
+    # 128 + SIGTERM. torchrun's agent exits 1 either way (examples/README.md, "Exit status").
+    return 143 if preempted else 0
 
 
 if __name__ == "__main__":

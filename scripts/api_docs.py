@@ -30,7 +30,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ),
     ("uc_checkpoint.ops.retention", ["steps_to_delete"]),
     ("uc_checkpoint.volumes", ["open_volume", "Volume", "LocalVolume", "S3Volume", "FsspecVolume"]),
-    ("uc_checkpoint.data.tracker", ["DataTracker", "ShardSpec"]),
+    ("uc_checkpoint.data.tracker", ["DataTracker", "ShardSpec", "DatasetChange"]),
     ("uc_checkpoint.data.loading", ["TrackedDataLoader", "TrackedShardDataset", "TrackerStateful"]),
     (
         "uc_checkpoint.data.readers",

@@ -34,6 +34,11 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``: ``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _age(s: float | None) -> str:
     if s is None:
         return "-"
@@ -262,14 +267,14 @@ def _export(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(summary.as_dict())
         return 0
-    n = len(summary.files)
     print(
-        f"exported {summary.tensors} tensors ({_size(summary.tensor_bytes)}) to {summary.destination} in "
-        f"{n} file{'' if n == 1 else 's'}: {summary.entry} ({summary.seconds:.1f} s)"
+        f"exported {_count(summary.tensors, 'tensor')} ({_size(summary.tensor_bytes)}) to {summary.destination} "
+        f"in {_count(len(summary.files), 'file')}: {summary.entry} ({summary.seconds:.1f} s)"
     )
     if summary.skipped:
         shown = ", ".join(summary.skipped[:5]) + (" ..." if len(summary.skipped) > 5 else "")
-        print(f"not exported ({len(summary.skipped)} items that are not tensors): {shown}")
+        n = len(summary.skipped)
+        print(f"not exported ({_count(n, 'item')} that {'is not a tensor' if n == 1 else 'are not tensors'}): {shown}")
     return 0
 
 

@@ -34,7 +34,10 @@ class ConcurrentSaveError(UCCheckpointError):
 
 
 class StagingError(UCCheckpointError):
-    """The local staging directory cannot be created or written."""
+    """The local staging directory cannot be created or written (full, deleted mid-save, not this
+    user's own). The message names the directory and the setting that moves staging:
+    ``$UC_CHECKPOINT_STAGING_DIR`` or ``staging_dir=`` (``UCVolumeWriter``, ``UCVolumeReader``,
+    ``CheckpointManager``)."""
 
 
 class StateChangedWhileStagingError(UCCheckpointError):
@@ -114,6 +117,14 @@ class RemoteRankError(UCCheckpointError):
     def __init__(self, message: str, original_type: str = "") -> None:
         super().__init__(message)
         self.original_type = original_type
+
+
+class PeerTimeoutError(UCCheckpointError, TimeoutError):
+    """Another rank did not take part in one of the checkpoint manager's collectives or store
+    exchanges within the job's timeout (a hung or stopped process, a frozen node, a network
+    partition). The message names the operation, the timeout and the peer rank where it can be
+    known. The manager's process groups are unusable afterwards: every later call of that manager
+    raises this at once, and the job should exit (nothing of an unfinished save is published)."""
 
 
 class UnsafeMetadataError(CorruptCheckpointError):

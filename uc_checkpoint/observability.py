@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -129,37 +129,58 @@ class ResumedFrom(Protocol):
     resumed_mlflow_run_id: str | None
 
 
-def resume_mlflow_run(manager: ResumedFrom, **start_run: Any) -> Any:
+#: What :func:`resume_mlflow_run` continues first when both are there: the run the loaded checkpoint
+#: recorded, or the run ``MLFLOW_RUN_ID`` names.
+MLFLOW_RUN_PREFERENCES = ("checkpoint", "environment")
+
+
+def resume_mlflow_run(manager: ResumedFrom, *, prefer: Literal["checkpoint", "environment"], **start_run: Any) -> Any:
     """Make the MLflow run a retried job logs to active, and return it (``mlflow.ActiveRun``):
 
     1. an already active run wins (returned as it is);
-    2. else the run ``MLFLOW_RUN_ID`` names (``mlflow.start_run`` continues it);
-    3. else the run the checkpoint ``manager`` loaded recorded
-       (:attr:`CheckpointManager.resumed_mlflow_run_id`), continued;
-    4. else a new run, started with ``start_run`` (``mlflow.start_run``'s keyword arguments, such
+    2. else, with ``prefer="checkpoint"``, the run the checkpoint ``manager`` loaded recorded
+       (:attr:`CheckpointManager.resumed_mlflow_run_id`), continued, else the run
+       ``MLFLOW_RUN_ID`` names; with ``prefer="environment"`` the other way round;
+    3. else a new run, started with ``start_run`` (``mlflow.start_run``'s keyword arguments, such
        as ``run_name``; used only for a new run).
+
+    Which to prefer depends on the launcher. Where ``MLFLOW_RUN_ID`` names a new run for every
+    attempt (Databricks AI Runtime: a retry is a new MLflow run), ``"checkpoint"`` keeps one run
+    across retries, and the attempt's own run is left as the platform made it. Where a person or
+    an orchestrator sets ``MLFLOW_RUN_ID`` to say where a job logs, ``"environment"`` obeys it.
+    Without ``MLFLOW_RUN_ID`` (torchrun by hand, Slurm) both continue the checkpoint's run.
 
     Call it after ``manager.load(...)``, where the job logs to MLflow (usually rank 0). A
     ``with`` block around the returned run ends it on exit, as ``mlflow.start_run`` does.
     Metrics keep going to the run at the training step of each save: a run resumed this way gets
-    the retried job's saves after the first job's.
+    the retried job's saves after the first job's. Steps trained again after a crash (those after
+    the checkpoint loaded) are logged again at the same steps: MLflow keeps both values.
 
     Raises:
+        ValueError: ``prefer`` is neither ``"checkpoint"`` nor ``"environment"``.
         what ``mlflow.start_run`` raises (an unknown run id, a tracking server that cannot be
         reached).
     """
+    if prefer not in MLFLOW_RUN_PREFERENCES:
+        raise ValueError(
+            f"resume_mlflow_run: prefer must be one of {', '.join(MLFLOW_RUN_PREFERENCES)}; got {prefer!r}"
+        )
     import mlflow
 
     active = mlflow.active_run()
     if active is not None:
         return active
-    if os.environ.get("MLFLOW_RUN_ID"):
-        return mlflow.start_run(run_id=os.environ["MLFLOW_RUN_ID"])
-    resumed = manager.resumed_mlflow_run_id
-    if resumed is not None:
-        logger.info("continuing MLflow run %s, recorded in the checkpoint loaded", resumed)
-        return mlflow.start_run(run_id=resumed)
-    return mlflow.start_run(**start_run)
+    named = os.environ.get("MLFLOW_RUN_ID") or None
+    recorded = manager.resumed_mlflow_run_id
+    first, second = (recorded, named) if prefer == "checkpoint" else (named, recorded)
+    run_id = first or second
+    if run_id is None:
+        return mlflow.start_run(**start_run)
+    if run_id == recorded:
+        logger.info("continuing MLflow run %s, recorded in the checkpoint loaded", run_id)
+    if named is not None and run_id != named:
+        logger.info("MLFLOW_RUN_ID names run %s; it is left as it is (prefer=%r)", named, prefer)
+    return mlflow.start_run(run_id=run_id)
 
 
 def log_to_mlflow(run_id: str, event: SaveEvent) -> None:
@@ -191,6 +212,7 @@ def log_to_mlflow(run_id: str, event: SaveEvent) -> None:
 
 
 __all__ = [
+    "MLFLOW_RUN_PREFERENCES",
     "SaveEvent",
     "TransferRecord",
     "active_mlflow_run_id",

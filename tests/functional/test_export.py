@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tests.conftest import REPO, SCRIPTS, torchrun
 from tests.support.s3_fixtures import s3_client
 from uc_checkpoint import UCVolumeWriter, export_checkpoint
-from uc_checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError
+from uc_checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError, VolumeError
 from uc_checkpoint.ops.export import parse_size, plan_export
 
 pytestmark = pytest.mark.timeout(600)
@@ -252,6 +253,51 @@ def test_one_line_errors(saved: dict, tmp_path: Path, staging: Path) -> None:
     inside = cli("export", str(saved["path"]), str(saved["path"] / "exported"), "--format", "torch")
     assert inside.returncode == 2 and "is inside the checkpoint" in inside.stderr, inside.stderr
     assert not (saved["path"] / "exported").exists()
+
+
+def one_tensor_checkpoint(path: Path) -> None:
+    """A checkpoint of one process: one tensor and one item that is not a tensor."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: no process group, one process assumed
+        dcp.save({"w": torch.arange(12.0).reshape(3, 4), "step": 7}, storage_writer=UCVolumeWriter(path))
+
+
+def test_destination_reaching_the_checkpoint_through_a_symlink_is_refused(tmp_path: Path, staging: Path) -> None:
+    """Whether a link leads into the checkpoint or the checkpoint lies under the destination, the
+    export stops naming both locations and writes nothing; the checkpoint stays as it was."""
+    run = tmp_path / "run"
+    ckpt = run / "step_00000007"
+    one_tensor_checkpoint(ckpt)
+    before = sorted((p.name, p.stat().st_size) for p in ckpt.iterdir())
+    (tmp_path / "to-ckpt").symlink_to(ckpt)
+    (tmp_path / "to-run").symlink_to(run)
+    cases = {
+        tmp_path / "to-ckpt": "is inside the checkpoint",  # the checkpoint itself
+        tmp_path / "to-ckpt" / "exported": "is inside the checkpoint",
+        tmp_path / "to-run": "is inside the export destination",  # holds the checkpoint
+    }
+    for dest, refusal in cases.items():
+        with pytest.raises(VolumeError, match=refusal) as refused:
+            export_checkpoint(ckpt, dest, format="torch")
+        assert str(dest) in str(refused.value) and f"real paths {os.path.realpath(dest)} and {ckpt}" in str(
+            refused.value
+        )
+    dest = tmp_path / "to-ckpt" / "exported"
+    proc = cli("export", str(ckpt), str(dest), "--format", "safetensors")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"export destination {dest} is inside the checkpoint {ckpt}" in proc.stderr, proc.stderr
+    assert sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()) == before
+    assert sorted(p.name for p in run.iterdir()) == [ckpt.name]
+
+
+def test_summary_counts_in_the_singular(tmp_path: Path, staging: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    one_tensor_checkpoint(ckpt)
+    proc = cli("export", str(ckpt), str(tmp_path / "out"), "--format", "safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("exported 1 tensor (48 B) to ") and " in 1 file: model.safetensors " in proc.stdout
+    assert "not exported (1 item that is not a tensor): step" in proc.stdout, proc.stdout
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], torch.arange(12.0).reshape(3, 4))
 
 
 def test_missing_safetensors_names_the_extra(saved: dict, tmp_path: Path) -> None:

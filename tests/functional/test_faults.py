@@ -47,6 +47,7 @@ def test_staging_disk_full(tmp_path: Path, tiny_staging: Path, staging: Path) ->
     ours = [e for e in causes(exc.value) if isinstance(e, StagingError)]
     assert ours, [repr(e) for e in causes(exc.value)]
     assert "is full" in str(ours[0]) and str(tiny_staging) in str(ours[0]), str(ours[0])  # what and where
+    assert "UC_CHECKPOINT_STAGING_DIR" in str(ours[0]) and "staging_dir=" in str(ours[0])  # and what to do
     assert sorted(p.name for p in dest.iterdir() if p.name == ".metadata") == [".metadata"]
     assert [p for p in dest.iterdir() if p.name == ".metadata"][0].read_bytes()  # still the old one
     out = {"w": torch.zeros_like(state(1)["w"]), "meta": {"seed": -1}}
@@ -81,6 +82,7 @@ def test_staging_dir_deleted_during_save(tmp_path: Path, staging: Path) -> None:
         dcp.save(doomed, storage_writer=UCVolumeWriter(dest, file_size_bytes=1 << 20))
     ours = [e for e in causes(exc.value) if isinstance(e, StagingError)]
     assert ours and "disappeared during the save" in str(ours[0]), [repr(e) for e in causes(exc.value)]
+    assert "UC_CHECKPOINT_STAGING_DIR" in str(ours[0])
     assert (dest / ".metadata").read_bytes() == meta_before  # nothing published over the old one
     out = {"w": torch.zeros_like(state(3)["w"]), "meta": {"seed": -1}}
     dcp.load(out, storage_reader=UCVolumeReader(dest))

@@ -50,13 +50,14 @@ def test_local_leftovers_collected_checkpoints_and_recent_files_spared(tmp_path:
     age(orphan, DAY)
     fresh_orphan = root / "step_00000001" / "__0_dddd_0.distcp"  # a re-save in progress there
     fresh_orphan.write_bytes(b"n" * 3)
-    old_stage = staging / "uc-checkpoint" / "save-111111111111-222222222222" / "rank-0"
+    # Staging without an owner record (a host whose records are lost): collected by age.
+    old_stage = staging / f"uc-checkpoint-{os.geteuid()}" / "save-111111111111-222222222222-rank-0"
     old_stage.mkdir(parents=True)
     (old_stage / "__0_0.distcp").write_bytes(b"s")
-    for p in (old_stage / "__0_0.distcp", old_stage, old_stage.parent):
+    for p in (old_stage / "__0_0.distcp", old_stage):
         age(p, DAY)
-    new_stage = staging / "uc-checkpoint" / "save-333333333333-444444444444" / "rank-0"
-    new_stage.mkdir(parents=True)
+    new_stage = old_stage.with_name("save-333333333333-444444444444-rank-0")
+    new_stage.mkdir()
 
     dry = collect_garbage(str(root), grace_s=3600, staging_dir=staging, dry_run=True)
     assert sorted(Path(p).name for p in dry.deleted_files) == [
@@ -69,7 +70,7 @@ def test_local_leftovers_collected_checkpoints_and_recent_files_spared(tmp_path:
     assert cli_main(["gc", str(root), "--grace-s", "3600", "--staging-dir", str(staging)]) == 0
     out = capsys.readouterr().out
     assert "deleted 3 files (157 bytes), 1 staging dirs" in out
-    assert not dead.exists() and not orphan.exists() and not old_stage.parent.exists()
+    assert not dead.exists() and not orphan.exists() and not old_stage.exists()
     assert busy.exists() and fresh_orphan.exists() and new_stage.exists()
     assert f"spared {busy}" in out and f"spared {root / 'step_00000001'}" in out
     for step in (1, 2):  # both checkpoints still load

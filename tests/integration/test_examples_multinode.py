@@ -13,7 +13,12 @@ c10d rendezvous on 127.0.0.1 (docs: "Two nodes on one machine" in the environmen
   every sample trained on exactly once across all of it or still listed as remaining;
 * a job logging to a real ``mlflow server`` gets SIGTERM (a preemption notice): every rank stops at
   the same step and that step is checkpointed; the retry resumes there and keeps logging into the
-  same MLflow run, the loss every ``--log-every`` steps, never per batch.
+  same MLflow run, the loss every ``--log-every`` steps, never per batch;
+* two nodes with two DataLoader workers per rank; every process of node 1 (agent, rank, workers) gets
+  SIGTERM at once, as Slurm or a cgroup stop sends it, while the job waits on node 1's upload of step
+  3 (so the stop lands at step 7, with the workers mid-turn): both nodes stop at that step and
+  publish it, no worker fails a rank, each agent exits 1 while the ranks exit 143, and the retry
+  finishes bit-identical to an uninterrupted run with the same workers, every step on its samples.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 12, 4  # per rank; the global batch is 8 in every run
 JOB_TIMEOUT = 120  # seconds a job may take (a guard against a hang)
+TWO_WORKERS = ["--data-workers", "2"]  # after TRAIN_ARGS: the last one counts
+# torchrun SIGKILLs its ranks this many seconds after passing a stop signal on (30 by default): more
+# than save_final's budget in the example (60 s), as examples/README.md advises.
+SHUTDOWN_TIMEOUT = "--shutdown-timeout=90"
 
 
 def train_args(workdir: Path, label: str, root: Path, steps: int = STEPS, batch: int = BATCH) -> list[str]:
@@ -130,6 +139,17 @@ def two_nodes(workdir: Path, reference: Node) -> dict:
     return {"root": root, "node0_rc": node0_rc, "after_kill": after_kill, "retry": retry, "retry_rc": retry_rc}
 
 
+@pytest.fixture(scope="module")
+def reference_two_workers(workdir: Path) -> Node:
+    """One node, two ranks with two DataLoader workers each, uninterrupted."""
+    args = [*train_args(workdir, "reference-w2", workdir / "vol-reference-w2"), *TWO_WORKERS]
+    node = start(
+        "reference-w2", workdir, torchrun("--standalone", "--nproc-per-node=2", *args), job_env(workdir / "staging-w2")
+    )
+    assert node.wait(JOB_TIMEOUT) == 0, node.tail()
+    return node
+
+
 def test_one_node_two_ranks_trains_and_checkpoints(workdir: Path, reference: Node) -> None:
     assert reference.proc.returncode == 0, reference.tail()
     assert published(workdir / "vol-reference") == {6: True, 9: True, 12: True}  # keep_last=3
@@ -204,3 +224,65 @@ def test_sigterm_saves_the_step_reached_and_the_retry_continues_the_mlflow_run(
     assert sorted(loss_steps) == list(range(3, stopped + 4, 3))  # --log-every 3, from both jobs
     saved = {m.step for m in client.get_metric_history(run.info.run_id, "checkpoint/publish_s")}
     assert stopped in saved and max(saved) > stopped  # the final save, and the retry's saves
+
+
+def test_sigterm_to_every_process_of_a_node_stops_the_job_at_one_step_and_resumes_bit_identical(
+    workdir: Path, reference_two_workers: Node
+) -> None:
+    root = workdir / "vol-sigterm-all"
+    hold = workdir / "hold-sigterm-all"
+    port, rdzv = free_port(), uuid.uuid4().hex[:8]
+    args = [*train_args(workdir, "term1", root), *TWO_WORKERS]
+    node0 = start(
+        "term1-node0",
+        workdir,
+        torchrun(*two_node_launch(port, rdzv, 0), SHUTDOWN_TIMEOUT, *args),
+        job_env(workdir / "staging-term-node0"),
+    )
+    node1 = start(
+        "term1-node1",
+        workdir,
+        torchrun(*two_node_launch(port, rdzv, 1), SHUTDOWN_TIMEOUT, *args),
+        held_env(workdir / "staging-term-node1", hold, "step_00000003"),
+    )
+    # Node 1's upload of step 3 is held: both ranks train on to step 6, where the next save waits for
+    # it. The stop lands there, so the first step boundary that sees it is step 7.
+    wait_for(lambda: any(hold.glob("upload-started-*")), JOB_TIMEOUT, f"node 1 to upload step 3 ({node1.log})")
+    wait_for(
+        lambda: "rank 0: step 6 loss" in node0.tail() and "rank 1: step 6 loss" in node1.tail(),
+        JOB_TIMEOUT,
+        "both ranks to train step 6",
+    )
+    signalled = node1.signal_every_process(signal.SIGTERM)
+    assert len(signalled) >= 4, signalled  # the agent, its rank and the rank's two workers
+    (hold / "hold").unlink()
+    rc0, rc1 = node0.wait(JOB_TIMEOUT), node1.wait(JOB_TIMEOUT)
+    logs = node0.tail(500_000) + node1.tail(500_000)
+    assert "is killed by signal" not in logs, logs[-3000:]  # no DataLoader worker died of the notice
+    stopped = json.loads((root / "latest").read_text())["step"]
+    assert f"final save of step {stopped} published" in logs, logs[-3000:]
+    assert published(root).get(stopped) is True
+    assert max(read_samples(workdir / "samples-term1")) == stopped  # every rank stopped there
+    assert stopped == 7, stopped
+    # What the launcher and the scheduler see: the ranks exit 143, each torchrun agent exits 1 (the
+    # one that got the signal re-raises it as SignalException, the other reports its ranks failed).
+    assert (rc0, rc1) == (1, 1)
+
+    port, rdzv = free_port(), uuid.uuid4().hex[:8]
+    args = [*train_args(workdir, "term2", root), *TWO_WORKERS]
+    retry = [
+        start(
+            f"term2-node{n}",
+            workdir,
+            torchrun(*two_node_launch(port, rdzv, n), *args),
+            job_env(workdir / f"staging-term-node{n}"),
+        )
+        for n in (0, 1)
+    ]
+    for node in retry:
+        assert node.wait(JOB_TIMEOUT) == 0, f"{node.label}:\n{node.tail()}"
+    assert f"resumed at step {stopped}" in retry[0].tail(200_000)
+    assert differing_params(workdir / "final-reference-w2.pt", workdir / "final-term2.pt") == []
+    assert chain([(workdir / "samples-term1", stopped), (workdir / "samples-term2", STEPS)]) == read_samples(
+        workdir / "samples-reference-w2"
+    )

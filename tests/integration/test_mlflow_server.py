@@ -1,6 +1,8 @@
 """MLflow as users run it: a real ``mlflow server`` (SQLite backend, artifacts in a temp dir) on
 127.0.0.1, jobs in processes of their own that log to it over HTTP, and a retried job that resumes
-from the checkpoint and keeps logging into the same run (unless ``MLFLOW_RUN_ID`` names another)."""
+from the checkpoint and keeps logging into the same run. Where ``MLFLOW_RUN_ID`` names another run,
+``resume_mlflow_run``'s ``prefer`` decides: ``"checkpoint"`` keeps the checkpoint's run (a platform
+that names a new run per attempt), ``"environment"`` follows the variable."""
 
 from __future__ import annotations
 
@@ -13,19 +15,23 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import SCRIPTS, run_script
-from uc_checkpoint.observability import active_mlflow_run_id
+from uc_checkpoint.observability import active_mlflow_run_id, resume_mlflow_run
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.summary import describe_checkpoint
 
 
-def job(root: Path, url: str, *steps: int, run_id: str | None = None) -> tuple[str, str, str]:
+def job(
+    root: Path, url: str, *steps: int, run_id: str | None = None, prefer: str = "checkpoint"
+) -> tuple[str, str, str]:
     """Run tests/scripts/mlflow_job.py as its own process; (run id, resumed run id, step loaded)."""
     env = {"MLFLOW_TRACKING_URI": url, "UC_CHECKPOINT_STAGING_DIR": str(root.parent / "staging")}
     if run_id is not None:
         env["MLFLOW_RUN_ID"] = run_id
     saved = os.environ.pop("MLFLOW_RUN_ID", None)
     try:
-        proc = run_script([sys.executable, str(SCRIPTS / "mlflow_job.py"), str(root), *map(str, steps)], env=env)
+        proc = run_script(
+            [sys.executable, str(SCRIPTS / "mlflow_job.py"), str(root), prefer, *map(str, steps)], env=env
+        )
     finally:
         if saved is not None:
             os.environ["MLFLOW_RUN_ID"] = saved
@@ -65,13 +71,27 @@ def test_metrics_tags_and_a_retried_job_over_http(
     assert client.get_run(first).data.tags["checkpoint/step"] == "15"
     assert recorded_run(root, 15) == first
 
-    # MLFLOW_RUN_ID names another run: it wins over the run the checkpoint recorded.
+    # A retry whose launcher names a new run per attempt in MLFLOW_RUN_ID (Databricks AI Runtime):
+    # with prefer="checkpoint" the checkpoint's run goes on, and the attempt's run gets nothing.
+    attempt = client.create_run(run.info.experiment_id, run_name="attempt-2").info.run_id
+    kept, resumed, loaded = job(root, mlflow_server, 17, run_id=attempt, prefer="checkpoint")
+    assert (kept, resumed, loaded) == (first, first, "15")
+    assert [m.step for m in client.get_metric_history(first, "checkpoint/publish_s")] == [5, 10, 15, 17]
+    assert client.get_metric_history(attempt, "checkpoint/publish_s") == []
+    assert recorded_run(root, 17) == first
+
+    # With prefer="environment", MLFLOW_RUN_ID wins over the run the checkpoint recorded.
     other = client.create_run(run.info.experiment_id, run_name="named-by-env").info.run_id
-    named, resumed, loaded = job(root, mlflow_server, 20, run_id=other)
-    assert (named, resumed, loaded) == (other, first, "15")
+    named, resumed, loaded = job(root, mlflow_server, 20, run_id=other, prefer="environment")
+    assert (named, resumed, loaded) == (other, first, "17")
     assert [m.step for m in client.get_metric_history(other, "checkpoint/publish_s")] == [20]
-    assert [m.step for m in client.get_metric_history(first, "checkpoint/publish_s")] == [5, 10, 15]
+    assert [m.step for m in client.get_metric_history(first, "checkpoint/publish_s")] == [5, 10, 15, 17]
     assert recorded_run(root, 20) == other
+
+    # prefer says one of the two; anything else is refused before MLflow is touched.
+    with pytest.raises(ValueError, match="prefer must be one of checkpoint, environment; got 'env'"):
+        resume_mlflow_run(CheckpointManager(str(root)), prefer="env")
+    assert active_mlflow_run_id() is None
 
     # Here no run is active and none is named: a save logs nothing and records no run; a load
     # exposes the run its checkpoint recorded.

@@ -1,7 +1,8 @@
 """Every shard reader behind the tracker and real DataLoader workers (forked processes): an epoch
 interrupted on 2 ranks x 2 workers and resumed on 1 rank x 3 workers reads every sample exactly
 once; with shuffling within shards, a lock-step interruption resumed on the same topology reads in
-the uninterrupted run's order; a resume after a shard file changed is refused.
+the uninterrupted run's order; a resume after a shard file changed is refused, and so is a read in
+a forked worker of a shard changed after ``shards()``.
 
 Ranks are simulated in one process (one tracker and loader per rank, local states gathered by hand),
 as in tests/integration/test_data_loading.py.
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.reader_data import FORMATS, plain
+from tests.support.shard_edits import rewrite_with_other_samples
 from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset
 from uc_checkpoint.data.readers import ShardReader
 from uc_checkpoint.data.tracker import DataTracker
@@ -121,10 +123,38 @@ def test_resume_after_a_file_changed_is_refused(fmt: str, tmp_path: Path) -> Non
     trackers[0].start_epoch(0)
     run(made, batches=2)
     state = state_of(trackers)
-    changed = Path(reader.shards()[1].name)
-    st = changed.stat()
-    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 3_000_000_000))  # same bytes, new version
+    name = rewrite_with_other_samples(fmt, tmp_path / "data", 1, tmp_path / "scratch")  # same name and count
     fresh = FORMATS[fmt].reader(tmp_path / "data")
     tracker = DataTracker(fresh.shards(), seed=5)
-    with pytest.raises(DatasetMismatchError, match=changed.name):
+    with pytest.raises(DatasetMismatchError, match=rf"'{name}' \(\d+ samples\) changed content"):
         tracker.load_global_state(state)
+
+
+def touch(path: Path) -> None:
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 3_000_000_000))
+
+
+@pytest.mark.parametrize("edit", ["rewritten", "touched"])
+@pytest.mark.parametrize("fmt", NAMES)
+def test_forked_workers_check_a_shard_changed_after_shards(fmt: str, edit: str, tmp_path: Path) -> None:
+    """Forked DataLoader workers inherit the reader that listed the shards; each still checks every
+    shard before its first read, as spawned ones do."""
+    reader, _ = build(fmt, tmp_path / "data")
+    shards = reader.shards()
+    list(reader(shards[0], 0, 1))  # the main process has read (and checked) a shard already
+    tracker = DataTracker(shards, seed=5, num_workers=2)
+    loader = TrackedDataLoader(
+        TrackedShardDataset(tracker, reader, transform=identity),
+        batch_size=4,
+        num_workers=2,
+        collate_fn=as_list,
+        multiprocessing_context="fork",
+    )
+    for index in range(len(shards)):
+        if edit == "rewritten":
+            rewrite_with_other_samples(fmt, tmp_path / "data", index, tmp_path / f"scratch-{index}")
+        else:
+            touch(tmp_path / "data" / shards[index].name)
+    with pytest.raises(DatasetMismatchError, match="changed since its shard list was made"):
+        run([loader], batches=None)

@@ -87,6 +87,13 @@ class Node:
         kill_process_tree(self.proc.pid)
         self.proc.wait()
 
+    def signal_every_process(self, sig: int) -> list[int]:
+        """Send ``sig`` to the agent, every rank and every DataLoader worker at once, as Slurm, a
+        systemd or cgroup stop or a pod termination do (torchrun's ranks run in sessions of their
+        own, so ``kill -- -<pgid>`` of the agent's group would reach the agent alone). Returns the
+        pids signalled."""
+        return kill_process_tree(self.proc.pid, sig)
+
     def tail(self, chars: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 

@@ -1,12 +1,12 @@
 """One training job that logs to MLflow, as a (retried) job would: a process of its own.
 
-Usage: mlflow_job.py ROOT STEP [STEP ...]   (MLFLOW_TRACKING_URI names the server; MLFLOW_RUN_ID may
-name a run)
+Usage: mlflow_job.py ROOT PREFER STEP [STEP ...]   (MLFLOW_TRACKING_URI names the server;
+MLFLOW_RUN_ID may name a run; PREFER is resume_mlflow_run's ``prefer``: checkpoint or environment)
 
-Loads the newest checkpoint under ROOT if there is one, makes its MLflow run active with
-``resume_mlflow_run`` (an active run or ``MLFLOW_RUN_ID`` wins over the one the checkpoint
-recorded), saves each STEP (async, waited for), ends the run and prints
-``RUN <run id> RESUMED <recorded run id or None> LOADED <step or None>``.
+Loads the newest checkpoint under ROOT if there is one, makes an MLflow run active with
+``resume_mlflow_run(manager, prefer=PREFER)`` (the checkpoint's run or the one ``MLFLOW_RUN_ID``
+names, whichever PREFER says, else a new one), saves each STEP (async, waited for), ends the run
+and prints ``RUN <run id> RESUMED <recorded run id or None> LOADED <step or None>``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ warnings.filterwarnings("ignore")
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
-    root, steps = sys.argv[1], [int(s) for s in sys.argv[2:]]
+    root, prefer, steps = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3:]]
     manager = CheckpointManager(root, keep_last=None)
     state = {"w": torch.zeros(256, 256), "step": 0}
     loaded = manager.load(state) if manager.latest() is not None else None
-    with resume_mlflow_run(manager, run_name="uc-checkpoint-test") as run:
+    with resume_mlflow_run(manager, prefer=prefer, run_name="uc-checkpoint-test") as run:
         for step in steps:
             state = {"w": torch.full((256, 256), float(step)), "step": step}
             manager.save(step, state)

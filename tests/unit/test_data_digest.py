@@ -190,7 +190,7 @@ def test_abandoned_and_changed_epochs_are_not_checked(caplog) -> None:
     t.start_epoch(1)  # leaves samples unread: nothing to check, nothing raised
     t.record(0, 10)
     state = t.global_state([t.local_state()])
-    changed = [SHARDS[0], SHARDS[1], ShardSpec("part-2", 8), SHARDS[3]]
+    changed = [SHARDS[0], SHARDS[1], ShardSpec("part-2", 10), SHARDS[3]]  # part-2 grew
     r = DataTracker(changed, allow_dataset_change=True)
     r.load_global_state(state)
     r.record(0, r.samples_left())

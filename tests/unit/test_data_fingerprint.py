@@ -12,8 +12,8 @@ from uc_checkpoint.data.intervals import ShardSpec, dataset_fingerprint
 from uc_checkpoint.data.tracker import DataTracker
 from uc_checkpoint.errors import DatasetMismatchError
 
-V1 = [ShardSpec(f"/data/part-{i}.jsonl", 10, f"size={100 + i},mtime_ns=1000") for i in range(3)]
-EDITED = [V1[0], ShardSpec(V1[1].name, 10, "size=101,mtime_ns=2000"), V1[2]]  # part-1 rewritten in place
+V1 = [ShardSpec(f"part-{i}.jsonl", 10, f"size={100 + i},ends_sha256={i:032x}") for i in range(3)]
+EDITED = [V1[0], ShardSpec(V1[1].name, 10, f"size=101,ends_sha256={'e' * 32}"), V1[2]]  # part-1 rewritten
 UNKNOWN = [ShardSpec(s.name, s.num_samples) for s in V1]
 
 
@@ -39,7 +39,7 @@ def test_fingerprint_enters_the_dataset_fingerprint_only_when_known() -> None:
 
 def test_the_state_carries_the_fingerprints() -> None:
     state = half_epoch(V1)
-    assert state["shards"][1] == ["/data/part-1.jsonl", 10, "size=101,mtime_ns=1000"]
+    assert state["shards"][1] == ["part-1.jsonl", 10, f"size=101,ends_sha256={1:032x}"]
     assert state["fingerprint"] == dataset_fingerprint(V1)
 
 
@@ -48,8 +48,8 @@ def test_a_changed_file_is_refused_naming_the_shard_and_both_fingerprints() -> N
     with pytest.raises(DatasetMismatchError) as exc:
         DataTracker(EDITED).load_global_state(state)
     msg = str(exc.value)
-    assert "shard 1 '/data/part-1.jsonl' (10 samples) changed content" in msg
-    assert "'size=101,mtime_ns=1000'" in msg and "'size=101,mtime_ns=2000'" in msg
+    assert "shard 1 'part-1.jsonl' (10 samples) changed content" in msg
+    assert f"'size=101,ends_sha256={1:032x}'" in msg and f"'size=101,ends_sha256={'e' * 32}'" in msg
     assert "allow_dataset_change=True" in msg
     # Without the shard list the state cannot say which shard, but still refuses.
     with pytest.raises(DatasetMismatchError, match="different names, sizes, contents or order"):
@@ -61,6 +61,8 @@ def test_allow_dataset_change_goes_on_with_a_warning(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         t.load_global_state(half_epoch(V1))
     assert "changed content" in caplog.text and t.samples_left() == 15
+    assert t.dataset_change is not None and t.dataset_change.changed_content == ("part-1.jsonl",)
+    assert t.dataset_change.dropped == 0 and t.dataset_change.carried == 15
 
 
 @pytest.mark.parametrize(("saved", "now"), [(V1, UNKNOWN), (UNKNOWN, V1)])

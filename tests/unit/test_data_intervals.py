@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from uc_checkpoint.data.dataset_change import carry_over
 from uc_checkpoint.data.intervals import (
     Interval,
     ShardSpec,
@@ -15,7 +16,6 @@ from uc_checkpoint.data.intervals import (
     dataset_fingerprint,
     drop_prefix,
     epoch_shard_order,
-    remap_to_dataset,
     slice_sizes,
     total_size,
     whole_epoch,
@@ -110,27 +110,47 @@ THREE = [I(0, 1, 5), I(1, 0, 3), I(2, 0, 3)]
 
 
 @pytest.mark.parametrize(
-    ("remaining", "saved_shards", "now", "expected", "dropped"),
+    ("remaining", "saved_shards", "now", "expected", "unmapped"),
     [
-        # by name: s1 moved to index 0, s0 is gone (4 dropped), s2 shrank to 2 (1 dropped)
-        (THREE, [("s0", 5), ("s1", 5), ("s2", 5)], [("s1", 5), ("s2", 2)], [I(0, 0, 3), I(1, 0, 2)], 5),
+        # by name: s1 moved to index 0, s0 is gone (4 unmapped), s2 shrank to 2 (1 unmapped)
+        (
+            THREE,
+            [("s0", 5), ("s1", 5), ("s2", 5)],
+            [("s1", 5), ("s2", 2)],
+            [I(0, 0, 3), I(1, 0, 2)],
+            [("s0", 4), ("s2", 1)],
+        ),
         # a name listed twice maps copy to copy
-        ([I(0, 1, 3), I(1, 0, 3)], [("a", 3), ("a", 3)], [("a", 3), ("b", 1), ("a", 3)], [I(0, 1, 3), I(2, 0, 3)], 0),
+        ([I(0, 1, 3), I(1, 0, 3)], [("a", 3), ("a", 3)], [("a", 3), ("b", 1), ("a", 3)], [I(0, 1, 3), I(2, 0, 3)], []),
         # without the saved list: by index; shard 2 is gone
-        (THREE, None, [("x", 5), ("y", 5)], [I(0, 1, 5), I(1, 0, 3)], 3),
-        # a shard shrank below the interval's start: all of it dropped
-        ([I(0, 4, 6)], None, [("x", 3)], [], 2),
+        (THREE, None, [("x", 5), ("y", 5)], [I(0, 1, 5), I(1, 0, 3)], [("#2", 3)]),
+        # a shard shrank below the interval's start: all of it unmapped
+        ([I(0, 4, 6)], None, [("x", 3)], [], [("#0", 2)]),
     ],
 )
-def test_remap_to_dataset(
+def test_carry_over(
     remaining: list[Interval],
     saved_shards: list[tuple[str, int]] | None,
     now: list[tuple[str, int]],
     expected: list[Interval],
-    dropped: int,
+    unmapped: list[tuple[str, int]],
 ) -> None:
-    kept, lost = remap_to_dataset(remaining, saved_shards, [ShardSpec(n, k) for n, k in now])
-    assert kept == expected and lost == dropped == total_size(remaining) - total_size(kept)
+    saved = None if saved_shards is None else [(n, k, "") for n, k in saved_shards]
+    kept, change = carry_over(remaining, saved, [ShardSpec(n, k) for n, k in now], shuffled=False, difference="differs")
+    assert kept == expected and change.carried == total_size(kept)
+    assert [(u.name, u.samples) for u in change.unmapped] == unmapped
+    assert change.dropped == total_size(remaining) - total_size(kept)
+
+
+def test_carry_over_does_not_carry_shuffled_positions_of_a_resized_shard() -> None:
+    saved = [("a", 5, "size=1,ends_sha256=0"), ("b", 4, "size=1,ends_sha256=0")]
+    now = [ShardSpec("a", 6), ShardSpec("b", 4, "size=1,ends_sha256=1")]
+    kept, change = carry_over([I(0, 2, 5), I(1, 0, 4)], saved, now, shuffled=True, difference="differs")
+    assert kept == [I(1, 0, 4)]  # b kept its size: its permutation, and so its positions, still hold
+    assert [(u.name, u.samples) for u in change.unmapped] == [("a", 3)]
+    assert "5 -> 6 samples with shuffle_within_shard" in change.unmapped[0].reason
+    assert change.changed_content == ("b",) and change.added == ("a (+1 samples)",)
+    assert "3 unread samples cannot be carried over: 'a': 3 unread samples" in change.describe()
 
 
 @pytest.mark.parametrize(

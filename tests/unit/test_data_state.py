@@ -24,7 +24,7 @@ PACKAGE = Path(uc_checkpoint.__file__).resolve().parent
 SHARDS = [ShardSpec(f"s{i}", n) for i, n in enumerate([7, 0, 13, 5, 9])]
 FINGERPRINT = "399a0e582daa0c8241ebcf669b4dec6c45b3b33e8299cbf71a5d91955cd56067"
 # global_state() of two ranks with two workers each after recording (3, 4) and (1, 5) samples
-# (format 2; the digest pins the sample hashes, which a saved run's check depends on).
+# (format 3; the digest pins the sample hashes, which a saved run's check depends on).
 DIGEST = [
     [0, 3, "56ac544d166c162fc6758ddb8d9d7b8d"],
     [2, 2, "14309f65834843a7a6a21ad981b2a096"],
@@ -32,7 +32,7 @@ DIGEST = [
     [4, 5, "42e44690b8227bf4c380a7badf1ef428"],
 ]
 SAVED = {
-    "format": 2,
+    "format": 3,
     "fingerprint": FINGERPRINT,
     "seed": 3,
     "epoch": 0,
@@ -42,12 +42,21 @@ SAVED = {
     "num_shards": 5,
     "digest": DIGEST,
     "shards": [["s0", 7, ""], ["s1", 0, ""], ["s2", 13, ""], ["s3", 5, ""], ["s4", 9, ""]],
+    # Uneven progress: what each consumer has left and each rank's next worker (data/layout.py).
+    "consumers": {
+        "world_size": 2,
+        "workers_per_rank": 2,
+        "batch_size": 1,
+        "remaining": [6, 5, 7, 3],
+        "next_worker": [0, 0],
+    },
 }
 SAVED_JSON = (
-    '{"format":2,"fingerprint":"' + FINGERPRINT + '","seed":3,"epoch":0,"shuffle_within_shard":false,'
+    '{"format":3,"fingerprint":"' + FINGERPRINT + '","seed":3,"epoch":0,"shuffle_within_shard":false,'
     '"remaining":[[0,3,7],[3,0,2],[2,1,6],[2,7,13],[4,0,1],[4,6,9]],"samples_consumed_in_epoch":13,'
     '"num_shards":5,"digest":' + json.dumps(DIGEST, separators=(",", ":")) + ',"shards":[["s0",7,""],'
-    '["s1",0,""],["s2",13,""],["s3",5,""],["s4",9,""]]}'
+    '["s1",0,""],["s2",13,""],["s3",5,""],["s4",9,""]],"consumers":{"world_size":2,"workers_per_rank":2,'
+    '"batch_size":1,"remaining":[6,5,7,3],"next_worker":[0,0]}}'
 )
 
 
@@ -59,7 +68,7 @@ def saved_by_two_ranks(include_shard_list: bool = True) -> dict:
     return ts[0].global_state([t.local_state() for t in ts], include_shard_list=include_shard_list)
 
 
-def test_global_state_is_the_pinned_format_2_dict() -> None:
+def test_global_state_is_the_pinned_format_3_dict() -> None:
     saved = saved_by_two_ranks()
     assert saved == SAVED and list(saved) == list(SAVED)  # the same keys in the same order
     assert json.dumps(saved, separators=(",", ":")) == SAVED_JSON
@@ -78,8 +87,15 @@ def test_tracker_state_round_trips_the_saved_dict() -> None:
 
 def test_format_1_is_refused_naming_both_formats() -> None:
     old = {k: v for k, v in SAVED.items() if k not in ("shuffle_within_shard", "digest", "shards")}
-    with pytest.raises(TrackerStateError, match="unsupported data tracker state format 1: this version reads format 2"):
+    with pytest.raises(TrackerStateError, match="unsupported data tracker state format 1: this version reads format 3"):
         DataTracker(SHARDS).load_global_state({**old, "format": 1})
+
+
+def test_format_2_is_refused_saying_why() -> None:
+    """Format 2's reader-made shards were URLs with mtime or ETag fingerprints: loading one must not
+    pass for another dataset or a moved one, it is refused as a format."""
+    with pytest.raises(TrackerStateError, match=r"format 2: this version reads format 3 only \(format 2 named"):
+        DataTracker(SHARDS).load_global_state({**SAVED, "format": 2})
 
 
 def test_the_pinned_state_loads_and_resumes_the_same() -> None:
@@ -127,8 +143,9 @@ def test_from_dict_refuses_malformed_states(change: dict, match: str) -> None:
     ],
 )
 def test_check_fits_refuses_states_that_contradict_their_fingerprint(change: dict, match: str) -> None:
+    state = {k: v for k, v in SAVED.items() if k != "consumers"}  # its sum is checked by from_dict
     with pytest.raises(TrackerStateError, match=match):
-        TrackerState.from_dict({**SAVED, **change}).check_fits(SHARDS)
+        TrackerState.from_dict({**state, **change}).check_fits(SHARDS)
 
 
 def test_merge_local_states_orders_consumers_by_rank() -> None:

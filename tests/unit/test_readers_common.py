@@ -1,6 +1,8 @@
 """Every shard reader against files written by its format's own library: sample counts from
 metadata, a slice from the middle equal to the library's full read, read_indices in the asked order,
-pickling into workers, and a file changed after discovery refused by fingerprint."""
+pickling into workers, shards named relative to the location with content fingerprints, and a file
+changed after discovery refused (by its version in a copy of the listing reader, by its content in a
+reader that did not list it)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support.reader_data import FORMATS, plain
+from tests.support.shard_edits import rewrite_with_other_samples
 from uc_checkpoint.data.intervals import ShardSpec
 from uc_checkpoint.errors import DataLoadingError, DatasetMismatchError
 
@@ -35,8 +38,12 @@ def test_counts_and_names(written) -> None:
     fmt, root, expected = written
     shards = FORMATS[fmt].reader(root).shards()
     assert [s.num_samples for s in shards] == [len(e) for e in expected]
-    assert all(s.name.startswith(str(root)) for s in shards)
-    assert all(s.fingerprint.startswith("size=") and ",mtime_ns=" in s.fingerprint for s in shards)
+    reader = FORMATS[fmt].reader(root)
+    assert [s.name for s in shards] == reader.shard_files()
+    assert all((root / s.name).is_file() and not s.name.startswith("/") for s in shards)
+    assert all(
+        s.fingerprint == f"size={(root / s.name).stat().st_size},ends_sha256=" + s.fingerprint[-32:] for s in shards
+    )
 
 
 def test_middle_slice_equals_the_library_read(written) -> None:
@@ -80,17 +87,34 @@ def test_range_outside_the_shard_and_foreign_shard(written) -> None:
     shard = reader.shards()[1]
     with pytest.raises(DataLoadingError, match="outside"):
         reader(shard, 0, shard.num_samples + 1)
-    with pytest.raises(DataLoadingError, match="not under"):
-        reader(ShardSpec("/elsewhere/x", 3), 0, 1)
+    for foreign in (str(root / shard.name), f"s3://bucket/{shard.name}", f"../{shard.name}"):
+        with pytest.raises(DataLoadingError, match="not a name relative to"):
+            reader(ShardSpec(foreign, 3), 0, 1)
 
 
-def test_file_changed_after_discovery_is_refused(written) -> None:
-    fmt, root, _ = written
-    shards = FORMATS[fmt].reader(root).shards()
-    path = Path(shards[0].name)
+def test_file_touched_after_discovery_is_refused_by_a_copy_of_the_listing_reader(written) -> None:
+    """A worker's copy of the reader that listed the shards (pickled: spawned; the same object:
+    forked or the main process) checks the file's version before its first read."""
+    fmt, root, expected = written
+    reader = FORMATS[fmt].reader(root)
+    shards = reader.shards()
+    copy = pickle.loads(pickle.dumps(reader))
+    path = root / shards[0].name
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    fresh = FORMATS[fmt].reader(root)  # a worker's reader: checks the file once before reading
-    with pytest.raises(DatasetMismatchError, match=str(path)):
+    for same_listing in (copy, reader):
+        with pytest.raises(DatasetMismatchError, match=f"{path}.*changed since its shard list was made"):
+            list(same_listing(shards[0], 0, 1))
+    # Only the version changed: a reader that did not list the shards checks the content, which is the same.
+    assert [plain(s) for s in FORMATS[fmt].reader(root)(shards[0], 0, 2)] == expected[0][:2]
+    assert FORMATS[fmt].reader(root).shards()[0].fingerprint == shards[0].fingerprint
+
+
+def test_file_rewritten_after_discovery_is_refused_by_content(written, tmp_path: Path) -> None:
+    fmt, root, _ = written
+    shards = FORMATS[fmt].reader(root).shards()
+    name = rewrite_with_other_samples(fmt, root, 0, tmp_path / "other")
+    fresh = FORMATS[fmt].reader(root)  # did not list the shards: compares content fingerprints
+    with pytest.raises(DatasetMismatchError, match=f"{root / name}.*content fingerprint"):
         list(fresh(shards[0], 0, 1))
     assert fresh.shards()[0].fingerprint != shards[0].fingerprint

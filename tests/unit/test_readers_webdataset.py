@@ -25,7 +25,8 @@ def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def test_split_key() -> None:
     assert split_key("a/b.seg.jpg") == ("a/b", "seg.jpg")
     assert split_key("x.txt") == ("x", "txt")
-    assert split_key("d.e/f") == ("d.e/f", "")
+    assert split_key("IMG_0001.Seg.JPG") == ("IMG_0001", "seg.jpg")
+    assert split_key("d.e/f") is None  # no extension: webdataset skips the member
 
 
 def test_grouping_and_directories(tmp_path: Path) -> None:
@@ -83,4 +84,58 @@ def test_a_member_twice_in_one_sample_is_refused(tmp_path: Path) -> None:
         add(tar, "0001.txt", b"a")
         add(tar, "0001.txt", b"b")
     with pytest.raises(DataFormatError, match=r"dup\.tar: member '0001\.txt' appears twice"):
+        WebDatasetReader(tmp_path).shards()
+
+
+def test_keys_fields_and_skipped_members_as_webdataset_gives_them(tmp_path: Path) -> None:
+    """The samples webdataset 1.0.2's ``WebDataset(url)`` yields for this tar (less ``__url__``):
+    fields lowercased, names without an extension and ``__...__`` metadata members skipped,
+    non-regular members skipped."""
+    names = [
+        "IMG_0001.JPG",
+        "IMG_0001.Seg.PNG",
+        "LICENSE",
+        "__meta__",
+        "__meta__/x.txt",
+        "d.e/f",
+        "dir.d/README",
+        "dir/a.b.c",
+        "dir/a.json",
+        "x.",
+        "a/.hidden",
+        "___",
+        "dir/__key__.txt",
+        "b/c.TXT",
+        "b/c.cls",
+        "z.tar.gz",
+    ]
+    with tarfile.open(tmp_path / "n.tar", "w") as tar:
+        d = tarfile.TarInfo("dir")
+        d.type = tarfile.DIRTYPE
+        tar.addfile(d)
+        for i, name in enumerate(names):
+            add(tar, name, str(i).encode())
+        link = tarfile.TarInfo("link.txt")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "x."
+        tar.addfile(link)
+    reader = WebDatasetReader(tmp_path)
+    (shard,) = reader.shards()
+    assert list(reader(shard, 0, shard.num_samples)) == [
+        {"__key__": "IMG_0001", "jpg": b"0", "seg.png": b"1"},
+        {"__key__": "dir/a", "b.c": b"7", "json": b"8"},
+        {"__key__": "x", "": b"9"},
+        {"__key__": "a/", "hidden": b"10"},
+        {"__key__": "dir/__key__", "txt": b"12"},
+        {"__key__": "b/c", "txt": b"13", "cls": b"14"},
+        {"__key__": "z", "tar.gz": b"15"},
+    ]
+
+
+def test_a_field_twice_after_lowercasing_is_refused(tmp_path: Path) -> None:
+    """webdataset lowercases fields before grouping: ``a.jpg`` and ``a.JPG`` are one field twice."""
+    with tarfile.open(tmp_path / "dup.tar", "w") as tar:
+        add(tar, "a.jpg", b"1")
+        add(tar, "a.JPG", b"2")
+    with pytest.raises(DataFormatError, match=r"dup\.tar: member 'a\.JPG' appears twice: sample 'a' has two 'jpg'"):
         WebDatasetReader(tmp_path).shards()

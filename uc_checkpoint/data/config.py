@@ -30,6 +30,7 @@ class TrackerConfig:
     batch_size: int = 1
     shuffle_within_shard: bool = False
     exactly_once: str = "raise"
+    drop_unmapped: bool = False
     fingerprint: str = field(init=False, repr=False, compare=False)
     total_samples: int = field(init=False, repr=False, compare=False)
 
@@ -49,9 +50,14 @@ class TrackerConfig:
         check_int(self.batch_size, "batch_size", minimum=1)
         if self.exactly_once not in EXACTLY_ONCE_MODES:
             raise ValueError(f"exactly_once must be one of {EXACTLY_ONCE_MODES}, got {self.exactly_once!r}")
+        if self.drop_unmapped and not self.allow_dataset_change:
+            raise ValueError(
+                "drop_unmapped=True applies to a load onto a changed dataset: it needs allow_dataset_change=True"
+            )
         object.__setattr__(self, "shards", shards)
         object.__setattr__(self, "shuffle_within_shard", bool(self.shuffle_within_shard))
         object.__setattr__(self, "allow_dataset_change", bool(self.allow_dataset_change))
+        object.__setattr__(self, "drop_unmapped", bool(self.drop_unmapped))
         object.__setattr__(self, "fingerprint", dataset_fingerprint(shards))
         object.__setattr__(self, "total_samples", sum(s.num_samples for s in shards))
 

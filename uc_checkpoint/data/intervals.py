@@ -6,9 +6,12 @@ ranges of raw samples of one shard) in *stream order*, the order an epoch reads 
 * :func:`dataset_fingerprint` and :func:`epoch_shard_order`: what identifies a dataset and the shard
   order of an epoch (both hash with fixed domain tags, so they are the same on every interpreter);
 * :func:`whole_epoch`, :func:`coalesce`, :func:`drop_prefix`: building and trimming work;
-* :func:`slice_sizes` and :func:`assign`: cutting work into one contiguous slice per consumer;
+* :func:`slice_sizes`, :func:`assign` and :func:`cut`: cutting work into one contiguous slice per
+  consumer;
 * :func:`assignment_id`: a short id of one such cut, which ranks compare before merging progress;
-* :func:`remap_to_dataset`: saved work carried over to a changed dataset.
+* :func:`resume_summary`: what a resume onto such a cut skips and where it seeks.
+
+Saved work carried over to a changed dataset: :mod:`uc_checkpoint.data.dataset_change`.
 
 See :mod:`uc_checkpoint.data.tracker` for the model these serve.
 """
@@ -43,14 +46,21 @@ def check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One shard of the dataset: its name (unique id such as a path or URL), how many raw samples it
-    holds, and a fingerprint of its content version.
+    """One shard of the dataset: its name, how many raw samples it holds, and a fingerprint of its
+    content.
 
-    ``fingerprint`` identifies the bytes behind the name: for a local file ``"size=<bytes>,mtime_ns=<int>"``,
-    for an object ``"etag=<ETag>,size=<bytes>"`` (the readers fill it in from a stat or a HEAD); ``""``
-    means unknown, and then only the name and the count identify the shard. A known fingerprint
-    enters :func:`dataset_fingerprint`, so that a resume onto a shard whose content changed (same
-    name and count) is refused naming the shard and both fingerprints.
+    ``name`` identifies the shard within the dataset, independently of where the dataset is stored:
+    the readers use the file's name relative to the dataset's root (``part-0001.jsonl``), so the same
+    files copied or synced elsewhere are the same shards. It also keys the shard's exactly-once
+    hashes and its within-shard permutation.
+
+    ``fingerprint`` identifies the bytes behind the name, wherever they are stored: the readers
+    give ``"size=<bytes>,ends_sha256=<hex>"``
+    (:func:`~uc_checkpoint.data.readers.fingerprint.content_fingerprint`: the size and a hash of the
+    first and last 64 KiB); ``""`` means unknown, and then only the name
+    and the count identify the shard. A known fingerprint enters :func:`dataset_fingerprint`, so that
+    a resume onto a shard whose content changed (same name and count) is refused naming the shard
+    and both fingerprints.
     """
 
     name: str
@@ -216,12 +226,23 @@ def assign(remaining: Sequence[Interval], num_consumers: int, batch_size: int = 
         if not isinstance(iv, Interval):
             raise TypeError(f"assign() expects Interval items, got {type(iv).__name__}")
     work = coalesce(remaining)
-    sizes = slice_sizes(total_size(work), num_consumers, batch_size)
+    return cut(work, slice_sizes(total_size(work), num_consumers, batch_size))
+
+
+def cut(remaining: Sequence[Interval], sizes: Sequence[int]) -> list[list[Interval]]:
+    """Cut ``remaining`` (in stream order) into contiguous slices of ``sizes`` samples, in order:
+    the slices :func:`assign` makes, or those a saved cut names.
+
+    Raises:
+        ValueError: ``sizes`` do not add up to the samples of ``remaining``, or one is negative.
+    """
+    work = coalesce(remaining)
+    if any(n < 0 for n in sizes) or sum(sizes) != total_size(work):
+        raise ValueError(f"cannot cut {total_size(work)} samples into slices of {list(sizes)}")
     slices: list[list[Interval]] = []
     index = 0  # interval of `work` being cut
     cursor = work[0].start if work else 0  # first sample of work[index] not yet handed out
-    for consumer in range(num_consumers):
-        want = sizes[consumer]
+    for want in sizes:
         piece: list[Interval] = []
         while want > 0:
             iv = work[index]
@@ -244,60 +265,59 @@ def assignment_id(
     batch_size: int,
     work: Iterable[Interval],
     shuffle_within_shard: bool = False,
+    sizes: Sequence[int] | None = None,
 ) -> str:
     """Short id (16 hex digits) of one cut of ``work``: the dataset, epoch, consumer count, batch
-    size, whether shards are shuffled within, and the work itself. Ranks compare it before merging
-    progress, so that a local state taken from another cut (another epoch, another loaded
+    size, whether shards are shuffled within, the slice ``sizes`` when the cut is not
+    :func:`assign`'s (a saved one, see :func:`cut`), and the work itself. Ranks compare it before
+    merging progress, so that a local state taken from another cut (another epoch, another loaded
     checkpoint, other batch sizes or shuffling) is refused."""
     h = hashlib.sha256(_ASSIGNMENT_TAG)
     h.update(f"{fingerprint}:{epoch}:{num_consumers}:{batch_size}:".encode())
     if shuffle_within_shard:
         h.update(b"shuffled:")
+    if sizes is not None:
+        h.update(f"cut:{','.join(map(str, sizes))}:".encode())
     for iv in work:
         h.update(f"{iv.shard},{iv.start},{iv.end};".encode())
     return h.hexdigest()[:16]
 
 
-def remap_to_dataset(
-    remaining: Sequence[Interval], saved_shards: Sequence[tuple[str, int, str]] | None, shards: Sequence[ShardSpec]
-) -> tuple[list[Interval], int]:
-    """Work saved for another version of the dataset, translated to ``shards``.
-
-    Intervals are matched by shard name when the saved ``[name, num_samples, fingerprint]`` list is known (the
-    ``k``-th copy of a name to the ``k``-th copy, for datasets that list a shard twice), else by
-    index. Intervals of shards that are gone are dropped, those of shrunk shards clipped.
-
-    Returns:
-        The translated work and the number of samples dropped.
-    """
-    if saved_shards is not None:
-        index_of: dict[tuple[str, int], int] = {}
-        seen: dict[str, int] = {}
-        for i, s in enumerate(shards):
-            index_of[(s.name, seen.get(s.name, 0))] = i
-            seen[s.name] = seen.get(s.name, 0) + 1
-        saved_key: list[tuple[str, int]] = []
-        seen.clear()
-        for name, *_ in saved_shards:
-            saved_key.append((name, seen.get(name, 0)))
-            seen[name] = seen.get(name, 0) + 1
-        target = [index_of.get(k) for k in saved_key]
-    else:
-        target = [i if i < len(shards) else None for i in range(max((iv.shard for iv in remaining), default=-1) + 1)]
-    kept: list[Interval] = []
-    dropped = 0
-    for iv in remaining:
-        new = target[iv.shard]
-        if new is None:
-            dropped += iv.size
-            continue
-        end = min(iv.end, shards[new].num_samples)
-        if end <= iv.start:
-            dropped += iv.size
-            continue
-        dropped += iv.end - end
-        kept.append(Interval(new, iv.start, end))
-    return kept, dropped
+def resume_summary(
+    shards: Sequence[ShardSpec],
+    workers_per_rank: int,
+    epoch: int,
+    base: Sequence[Interval],
+    slices: Sequence[Sequence[Interval]],
+    max_names: int = 8,
+) -> dict[str, Any]:
+    """What a run resumed onto work ``base`` of ``epoch``, cut into ``slices`` (one per consumer,
+    ``workers_per_rank`` consumers per rank), skips and where it seeks (the return value of
+    ``DataTracker.resume_summary``, which documents its keys)."""
+    left_per_shard = [0] * len(shards)
+    for iv in base:
+        left_per_shard[iv.shard] += iv.size
+    skipped = [s.name for i, s in enumerate(shards) if s.num_samples and left_per_shard[i] == 0]
+    partial = [
+        [s.name, s.num_samples - left_per_shard[i], s.num_samples]
+        for i, s in enumerate(shards)
+        if 0 < left_per_shard[i] < s.num_samples
+    ]
+    seeks = []
+    for c, piece in enumerate(slices):
+        if piece and piece[0].start > 0:
+            rank, worker = divmod(c, workers_per_rank)
+            seeks.append([rank, worker, shards[piece[0].shard].name, piece[0].start])
+    remaining = sum(left_per_shard)
+    return {
+        "epoch": epoch,
+        "samples_consumed_in_epoch": sum(s.num_samples for s in shards) - remaining,
+        "samples_remaining": remaining,
+        "skipped_shards": len(skipped),
+        "skipped_names": skipped[:max_names],
+        "partial_shards": partial,
+        "seeks": seeks,
+    }
 
 
 __all__ = [
@@ -307,11 +327,12 @@ __all__ = [
     "assignment_id",
     "check_int",
     "coalesce",
+    "cut",
     "dataset_fingerprint",
     "drop_prefix",
     "epoch_shard_order",
     "iter_positions",
-    "remap_to_dataset",
+    "resume_summary",
     "slice_sizes",
     "total_size",
     "whole_epoch",

@@ -58,6 +58,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from uc_checkpoint.data.digest import SampleDigest, ShardHasher
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+from uc_checkpoint.data.worker_signals import leave_stop_signals_to_the_rank
 from uc_checkpoint.errors import DataLoadingError, TrackerStateError
 
 logger = logging.getLogger(__name__)
@@ -193,22 +194,23 @@ class TrackedShardDataset(IterableDataset):
         self.read_shard = read_shard
         self.transform = transform
         self.sample_index = sample_index
-        # [assignment id as int, epoch, consumed per worker...], in shared memory so that persistent
-        # workers (forked or spawned) see the main process's updates.
-        self._control = torch.zeros(2 + tracker.config.workers_per_rank, dtype=torch.int64).share_memory_()
+        # [assignment id as int, epoch, next worker, consumed per worker...], in shared memory so that
+        # persistent workers (forked or spawned) see the main process's updates.
+        self._control = torch.zeros(3 + tracker.config.workers_per_rank, dtype=torch.int64).share_memory_()
         self.publish_progress()
 
     def publish_progress(self) -> None:
-        """Copy the main-process tracker's epoch, assignment and per-worker progress into the control
-        block the workers read when they start iterating. :class:`TrackedDataLoader` calls it."""
+        """Copy the main-process tracker's epoch, assignment, next worker and per-worker progress into
+        the control block the workers read when they start iterating. :class:`TrackedDataLoader`
+        calls it."""
         t = self.tracker
         self._control[0] = _id_to_int64(t.assignment_id)
         self._control[1] = t.epoch
-        self._control[2:] = torch.tensor([t.samples_consumed(w) for w in range(t.config.workers_per_rank)])
+        self._control[2] = t.next_worker
+        self._control[3:] = torch.tensor([t.samples_consumed(w) for w in range(t.config.workers_per_rank)])
 
     def __iter__(self) -> Iterator[_Tagged]:
         info = get_worker_info()
-        worker = 0 if info is None else info.id
         if info is not None and info.num_workers != self.tracker.config.num_workers:
             raise DataLoadingError(
                 f"the DataLoader has num_workers={info.num_workers} but the DataTracker was built with "
@@ -220,9 +222,14 @@ class TrackedShardDataset(IterableDataset):
                 f"with num_workers={self.tracker.config.num_workers}"
             )
         tracker = self.tracker
+        worker = 0
         if info is not None:  # a worker's copy: catch up with the main process
             control = self._control.tolist()
-            if not tracker.sync_from_main_process(control[1], _int64_to_id(control[0]), control[2:]):
+            # The DataLoader takes batches from its workers 0, 1, ... in turn: its worker i reads
+            # tracker worker (next + i) % N, so that the turn goes on with the worker due next (after
+            # the last batch handed out, or as a resumed run saved it).
+            worker = (info.id + control[2]) % info.num_workers
+            if not tracker.sync_from_main_process(control[1], _int64_to_id(control[0]), control[3:]):
                 # Raised at the first item, not here: a persistent worker calls iter() outside the
                 # DataLoader's error forwarding and would die ("worker exited unexpectedly"), while
                 # an error from next() reaches the training loop as this DataLoadingError.
@@ -446,16 +453,18 @@ class _TrackedIterator:
         return tagged.batch
 
 
-class _OwnProcessGroup:
-    """A DataLoader ``worker_init_fn``: the worker leaves the rank's process group, then runs
-    ``then(worker_id)`` if given (see :class:`TrackedDataLoader`). Picklable for spawned workers."""
+class _WorkerInit:
+    """A DataLoader ``worker_init_fn``: the worker leaves the stop signals to its rank, the process
+    ``rank_pid`` that creates the workers
+    (:func:`~uc_checkpoint.data.worker_signals.leave_stop_signals_to_the_rank`), then runs
+    ``then(worker_id)`` if given. Picklable for spawned workers."""
 
-    def __init__(self, then: Callable[[int], Any] | None) -> None:
+    def __init__(self, then: Callable[[int], Any] | None, rank_pid: int) -> None:
         self.then = then
+        self.rank_pid = rank_pid
 
     def __call__(self, worker_id: int) -> None:
-        if hasattr(os, "setpgrp"):  # POSIX
-            os.setpgrp()
+        leave_stop_signals_to_the_rank(self.rank_pid)
         if self.then is not None:
             self.then(worker_id)
 
@@ -494,11 +503,23 @@ class TrackedDataLoader:
     ``batch_size=`` the loader's batch size, which cuts the work in whole batches so that an epoch
     drops the same ``total % batch_size`` samples whether or not it was interrupted and resumed.
 
-    Workers leave the rank's process group as they start (``os.setpgrp``, before any
-    ``worker_init_fn`` given): a launcher that stops a rank signals its whole process group
-    (torchrun forwards SIGTERM, the preemption notice, that way), and workers killed by it fail the
-    rank's next batch before the rank can take its final checkpoint. They still end with the rank
-    (the DataLoader's own watchdog and shutdown).
+    Workers leave the signals that stop a job
+    (:data:`~uc_checkpoint.data.worker_signals.WORKER_STOP_SIGNALS`: SIGTERM, SIGINT, SIGHUP,
+    SIGQUIT, SIGUSR1, SIGUSR2) to their rank, before any ``worker_init_fn`` given runs: one
+    sent by anyone but the rank is ignored, so a stop sent to every process of a job (torchrun
+    passing SIGTERM on to a rank's process group, ``kill -TERM -- -<pgid>``, Slurm, a cgroup or pod
+    stop) reaches the rank, which finishes its step and takes its final checkpoint, while the workers
+    go on serving its batches. Workers end with the rank (its DataLoader shutting them down, a stop
+    signal from the rank itself, or the DataLoader's watchdog once the rank is gone). Linux and
+    other systems with ``sigwaitinfo``; elsewhere workers keep torch's handlers.
+
+    Batches come from the DataLoader's workers in turn; each new iterator starts the turn at the
+    tracker's :attr:`~DataTracker.next_worker` (its DataLoader worker ``i`` reads tracker worker
+    ``(i + next_worker) % num_workers``). Together with the per-consumer cut a checkpoint keeps
+    (:mod:`uc_checkpoint.data.layout`), a run resumed on the same world size, workers and batch size
+    gets the very batches the uninterrupted run got, whatever step it stopped at. On another world
+    size or worker count the remaining work is cut evenly and each rank starts at worker 0. Random
+    draws inside workers (a random transform) restart from the workers' seeds at every new iterator.
 
     Unless ``generator=`` is given, the loader gets a private ``torch.Generator`` seeded from the
     tracker's seed: a plain DataLoader draws from torch's global RNG at every new iterator, so
@@ -561,7 +582,7 @@ class TrackedDataLoader:
         self._loader_kwargs = dict(
             loader_kwargs,
             collate_fn=_TaggingCollate(collate_fn, batched, hasher),
-            worker_init_fn=_OwnProcessGroup(loader_kwargs.get("worker_init_fn")),
+            worker_init_fn=_WorkerInit(loader_kwargs.get("worker_init_fn"), os.getpid()),
         )
         self._persistent = bool(loader_kwargs.get("persistent_workers", False))
         self._loader: Any = None

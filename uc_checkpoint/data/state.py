@@ -2,10 +2,10 @@
 check a loaded one goes through; :func:`merge_local_states` checks the per-rank progress gathered for
 a save.
 
-The saved dict (format 2, written by :meth:`TrackerState.to_dict`; the JSON text a checkpoint holds
+The saved dict (format 3, written by :meth:`TrackerState.to_dict`; the JSON text a checkpoint holds
 is this dict, so its keys, their order and their values must not change within a format)::
 
-    {"format": 2,
+    {"format": 3,
      "fingerprint": str,                   # dataset_fingerprint() of the dataset
      "seed": int, "epoch": int,            # shard-order seed, current epoch
      "shuffle_within_shard": bool,         # positions map to samples through ShardPermutation
@@ -13,7 +13,16 @@ is this dict, so its keys, their order and their values must not change within a
      "samples_consumed_in_epoch": int,
      "num_shards": int,
      "digest": [[shard, count, hex], ...] | None,   # SampleDigest of what the epoch consumed; None: unchecked
-     "shards": [[name, num_samples, fingerprint], ...]}   # optional
+     "shards": [[name, num_samples, fingerprint], ...],   # optional
+     "consumers": {...}}                   # optional: ConsumerLayout.to_dict(), absent when even
+
+Shard names are relative to the dataset's root and fingerprints describe content (see
+:class:`~uc_checkpoint.data.intervals.ShardSpec`); format 2, whose reader-made names were URLs and
+fingerprints mtimes or ETags, is refused naming both formats.
+
+``consumers`` is the one topology-bound part: how the remaining work was cut among the saving run's
+consumers and which worker of each rank was next (:mod:`uc_checkpoint.data.layout`), so that a run
+of the same topology resumes batch for batch; other topologies ignore it.
 
 Every value is a plain bool, int, string, list or None (JSON-serialisable). A malformed state raises
 :class:`~uc_checkpoint.errors.TrackerStateError` (a ``ValueError`` too), whose message names the field.
@@ -29,13 +38,14 @@ import numpy as np
 
 from uc_checkpoint.data.digest import DigestReport, SampleDigest, ShardHasher, check_digest
 from uc_checkpoint.data.intervals import Interval, ShardSpec, check_int, dataset_fingerprint, total_size
+from uc_checkpoint.data.layout import ConsumerLayout
 from uc_checkpoint.data.shuffle import ShardPermutation
 from uc_checkpoint.errors import TrackerStateError
 
 #: Version of the dict :meth:`TrackerState.to_dict` writes (and ``DataTracker.global_state`` returns).
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 
-#: Keys every saved state has (``shards`` is optional).
+#: Keys every saved state has (``shards`` and ``consumers`` are optional).
 STATE_KEYS = frozenset(
     {
         "format",
@@ -67,15 +77,18 @@ def state_int(value: Any, field: str, *, minimum: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class TrackerState:
-    """One saved data-tracker state, topology-free (see the module docs for its dict).
+    """One saved data-tracker state (see the module docs for its dict): topology-free but for the
+    optional ``consumers`` layout, which only a run of the saving topology uses.
 
     ``remaining`` is the epoch's unconsumed work in stream order (positions; with
     ``shuffle_within_shard`` they map to sample indices through
     :class:`~uc_checkpoint.data.shuffle.ShardPermutation`); ``shards`` the dataset's
     ``(name, num_samples, fingerprint)`` list when it was saved with it, else None; ``digest`` the
     :class:`~uc_checkpoint.data.digest.SampleDigest` of the samples the epoch consumed, or None when
-    the epoch cannot be checked. :meth:`from_dict` checks the state on its own; :meth:`check_fits`
-    checks it against the dataset its fingerprint names.
+    the epoch cannot be checked; ``consumers`` the saving run's
+    :class:`~uc_checkpoint.data.layout.ConsumerLayout` when it is not the even cut, else None.
+    :meth:`from_dict` checks the state on its own; :meth:`check_fits` checks it against the dataset
+    its fingerprint names.
     """
 
     fingerprint: str
@@ -87,6 +100,7 @@ class TrackerState:
     shards: tuple[SavedShard, ...] | None = None
     shuffle_within_shard: bool = False
     digest: SampleDigest | None = None
+    consumers: ConsumerLayout | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The saved form (plain values; key order as the module docs show it)."""
@@ -103,6 +117,8 @@ class TrackerState:
         }
         if self.shards is not None:
             state["shards"] = [[name, n, fp] for name, n, fp in self.shards]
+        if self.consumers is not None:
+            state["consumers"] = self.consumers.to_dict()
         return state
 
     @classmethod
@@ -119,20 +135,26 @@ class TrackerState:
         if not isinstance(state, dict):
             raise TrackerStateError(f"data tracker state must be a dict, got {type(state).__name__}")
         fmt = state.get("format")
-        if type(fmt) is not int or fmt != STATE_FORMAT:  # not True or 2.0, which compare equal to ints
+        if type(fmt) is not int or fmt != STATE_FORMAT:  # not True or 3.0, which compare equal to ints
+            hint = (
+                " (format 2 named reader-made shards by URL and fingerprinted them by mtime or ETag: resume it "
+                "with the version that saved it, or start the epoch afresh)"
+                if fmt == 2
+                else ""
+            )
             raise TrackerStateError(
-                f"unsupported data tracker state format {fmt!r}: this version reads format {STATE_FORMAT} only"
+                f"unsupported data tracker state format {fmt!r}: this version reads format {STATE_FORMAT} only{hint}"
             )
         missing = STATE_KEYS - state.keys()
         if missing:
             raise TrackerStateError(f"data tracker state lacks {sorted(missing)}")
         # A key this format does not define means the state was written (or edited) by something
         # else; ignoring it could silently drop what it meant.
-        unknown = state.keys() - STATE_KEYS - {"shards"}
+        unknown = state.keys() - STATE_KEYS - {"shards", "consumers"}
         if unknown:
             raise TrackerStateError(
                 f"data tracker state has unknown keys {sorted(map(repr, unknown))}: format {STATE_FORMAT} "
-                f"has {sorted(STATE_KEYS | {'shards'})}"
+                f"has {sorted(STATE_KEYS | {'shards', 'consumers'})}"
             )
         epoch = state_int(state["epoch"], "epoch", minimum=0)
         seed = state_int(state["seed"], "seed")
@@ -158,7 +180,10 @@ class TrackerState:
                     f"data tracker state is inconsistent: its digest counts {digest.count()} samples but "
                     f"samples_consumed_in_epoch is {consumed}"
                 )
-        return cls(fingerprint, seed, epoch, tuple(remaining), consumed, num_shards, shards, shuffle, digest)
+        consumers = None
+        if "consumers" in state:
+            consumers = ConsumerLayout.from_dict(state["consumers"], total_size(remaining))
+        return cls(fingerprint, seed, epoch, tuple(remaining), consumed, num_shards, shards, shuffle, digest, consumers)
 
     def same_dataset(self, shards: Sequence[ShardSpec]) -> bool:
         """Whether the state was saved for ``shards``: the same fingerprint, or (with the shard list)

@@ -6,8 +6,10 @@ of :class:`Interval` of raw samples in the epoch's shard order (:func:`epoch_sha
 one contiguous slice per consumer (every data-loader worker of every rank, numbered
 ``rank * workers_per_rank + worker``), and how many samples of its slice each of this rank's
 consumers has consumed. :meth:`DataTracker.global_state` turns the gathered progress of all ranks
-into a state that names no rank or worker; :meth:`DataTracker.load_global_state` cuts that remaining
-work afresh for any world size and number of workers. :class:`TrackerConfig` holds the settings.
+into a state that names no rank or worker but in its optional per-consumer cut
+(:mod:`uc_checkpoint.data.layout`); :meth:`DataTracker.load_global_state` cuts that remaining work
+afresh for any world size and number of workers, or as saved on the same topology, so that a resume
+there is exact batch for batch. :class:`TrackerConfig` holds the settings.
 
 The model, its semantics (uneven ends, resumes, persistent workers, ``drop_last``) and how to wire
 it into a training loop: ``docs/data-tracker.md``. The arithmetic on intervals is in
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from uc_checkpoint.data.config import TrackerConfig
+from uc_checkpoint.data.dataset_change import DatasetChange, carry_over_state
 from uc_checkpoint.data.digest import EpochLedger, SampleDigest, ShardHasher, check_digest, enforce
 from uc_checkpoint.data.intervals import (
     Interval,
@@ -34,15 +37,17 @@ from uc_checkpoint.data.intervals import (
     assignment_id,
     check_int,
     coalesce,
+    cut,
     dataset_fingerprint,
     drop_prefix,
     epoch_shard_order,
     iter_positions,
-    remap_to_dataset,
+    resume_summary,
     slice_sizes,
     total_size,
     whole_epoch,
 )
+from uc_checkpoint.data.layout import ConsumerLayout, gathered_next_workers, usable_layout
 from uc_checkpoint.data.shuffle import ShardPermutation
 from uc_checkpoint.data.state import STATE_FORMAT, TrackerState, merge_local_states
 from uc_checkpoint.errors import DatasetMismatchError, TrackerStateError
@@ -69,8 +74,12 @@ class DataTracker:
             replicas of the same data, e.g. tensor-parallel peers, should share one data rank).
         num_workers: data-loader workers of this rank; 0 means the rank's main process reads the
             data (one consumer per rank).
-        allow_dataset_change: on :meth:`load_global_state`, accept a state written for a different
-            dataset (with a warning) instead of raising :class:`DatasetMismatchError`.
+        allow_dataset_change: on :meth:`load_global_state`, carry a state written for a different
+            dataset over to this one (shard by shard name, with a warning) instead of raising
+            :class:`DatasetMismatchError`; unread samples it cannot carry over still raise it, naming
+            their shards, unless ``drop_unmapped``.
+        drop_unmapped: with ``allow_dataset_change``, drop the unread samples that cannot be carried
+            over instead of raising; :attr:`dataset_change` then lists them.
         batch_size: cut the work into whole batches of this many raw samples (see
             :func:`slice_sizes`): every consumer's slice but at most one, in the whole run, is a
             whole number of batches. Give the loader's batch size when the loader drops each
@@ -109,6 +118,7 @@ class DataTracker:
         batch_size: int = 1,
         shuffle_within_shard: bool = False,
         exactly_once: str = "raise",
+        drop_unmapped: bool = False,
     ) -> None:
         config = TrackerConfig(
             tuple(shards),
@@ -120,6 +130,7 @@ class DataTracker:
             batch_size,
             shuffle_within_shard,
             exactly_once,
+            drop_unmapped,
         )
         self._init(config)
 
@@ -137,6 +148,7 @@ class DataTracker:
         self._source = _Source.EPOCH
         self._generation = 0  # bumped by _set_work: lets a loader iterator notice its work was replaced
         self._load_count = 0
+        self._dataset_change: DatasetChange | None = None
         self._hasher = ShardHasher([s.name for s in config.shards])
         self._set_work(0, whole_epoch(config.shards, config.seed, 0), SampleDigest())
 
@@ -176,6 +188,22 @@ class DataTracker:
         return self._load_count
 
     @property
+    def dataset_change(self) -> DatasetChange | None:
+        """What the last :meth:`load_global_state` did to carry a state of a changed dataset over
+        (``allow_dataset_change``): the unread samples carried, those dropped per shard
+        (``drop_unmapped``), shards whose content changed and shards added. None when the last load
+        was of this very dataset, or before any load."""
+        return self._dataset_change
+
+    @property
+    def next_worker(self) -> int:
+        """The worker of this rank whose batch comes next in a DataLoader's turn (worker 0, 1, ...,
+        0, ...): the one after the worker :meth:`record` last counted, 0 for fresh work, or the
+        saved one after a load of this topology (:mod:`uc_checkpoint.data.layout`).
+        :class:`~uc_checkpoint.data.loading.TrackedDataLoader` starts each new iterator's turn there."""
+        return self._next_worker
+
+    @property
     def work_from_checkpoint(self) -> bool:
         """True while the current work came from :meth:`load_global_state` rather than from
         :meth:`start_epoch` (which a data-loader worker can recompute from ``(seed, epoch)`` alone)."""
@@ -194,19 +222,37 @@ class DataTracker:
 
     # ------------------------------------------------------------------ epochs
 
-    def _set_work(self, epoch: int, remaining: list[Interval], consumed_before: SampleDigest | None) -> None:
-        """Make ``remaining`` the work of ``epoch`` and cut it for this run's consumers;
-        ``consumed_before`` is the digest of what the epoch consumed before (None: unknown, the epoch
-        cannot be checked; an empty digest for a fresh epoch)."""
+    def _set_work(
+        self,
+        epoch: int,
+        remaining: list[Interval],
+        consumed_before: SampleDigest | None,
+        layout: ConsumerLayout | None = None,
+    ) -> None:
+        """Make ``remaining`` the work of ``epoch`` and cut it for this run's consumers (evenly, or as
+        a saved ``layout`` of this topology says); ``consumed_before`` is the digest of what the epoch
+        consumed before (None: unknown, the epoch cannot be checked; an empty digest for a fresh
+        epoch)."""
         cfg = self._config
         self._epoch = epoch
         self._base = coalesce(remaining)
-        self._slices = assign(self._base, cfg.num_consumers, cfg.batch_size)
+        if layout is None:
+            self._slices = assign(self._base, cfg.num_consumers, cfg.batch_size)
+            self._next_worker = 0
+        else:
+            self._slices = cut(self._base, layout.remaining)
+            self._next_worker = layout.next_worker[cfg.rank]
         self._slice_sizes = [total_size(s) for s in self._slices]
         self._consumed = [0] * cfg.workers_per_rank
         self._generation += 1
         self._assignment = assignment_id(
-            cfg.fingerprint, epoch, cfg.num_consumers, cfg.batch_size, self._base, cfg.shuffle_within_shard
+            cfg.fingerprint,
+            epoch,
+            cfg.num_consumers,
+            cfg.batch_size,
+            self._base,
+            cfg.shuffle_within_shard,
+            None if layout is None else layout.remaining,
         )
         self._ledger = EpochLedger(cfg.workers_per_rank, consumed_before)
 
@@ -278,6 +324,7 @@ class DataTracker:
         if self._config.exactly_once != "off":
             self._ledger.add(worker, self._consumed[worker], count, digest)
         self._consumed[worker] += count
+        self._next_worker = (worker + 1) % self._config.workers_per_rank
 
     def sample_indices(self, interval: Interval) -> np.ndarray:
         """The sample indices (``int64`` array) that the positions of ``interval`` (one of
@@ -355,7 +402,9 @@ class DataTracker:
         was partly consumed), "seeks" ([rank, worker, shard name, offset] of every consumer whose next
         sample is not at the start of a shard)}``.
         """
-        return _resume_summary(self._config, self._epoch, self._base, self._slices, max_names)
+        return resume_summary(
+            self._config.shards, self._config.workers_per_rank, self._epoch, self._base, self._slices, max_names
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -363,10 +412,10 @@ class DataTracker:
         """This rank's progress, to be gathered from all ranks for :meth:`global_state`.
 
         ``{"rank": int, "consumed": [samples consumed per worker], "epoch": int, "assignment": str,
-        "digest": [[shard, count, hash], ...] | None}``; ``epoch`` and ``assignment`` (a short id of the
-        current work split) let the merge check that all ranks describe the same assignment; ``digest``
-        is the :class:`~uc_checkpoint.data.digest.SampleDigest` of what this rank consumed in it (None
-        with ``exactly_once="off"``).
+        "digest": [[shard, count, hash], ...] | None, "next_worker": int}``; ``epoch`` and ``assignment``
+        (a short id of the current work split) let the merge check that all ranks describe the same
+        assignment; ``digest`` is the :class:`~uc_checkpoint.data.digest.SampleDigest` of what this
+        rank consumed in it (None with ``exactly_once="off"``); ``next_worker`` is :attr:`next_worker`.
         """
         digest = None
         if self._config.exactly_once != "off":
@@ -378,6 +427,7 @@ class DataTracker:
             "epoch": self._epoch,
             "assignment": self._assignment,
             "digest": digest,
+            "next_worker": self._next_worker,
         }
 
     def _merge(self, local_states: Sequence[dict[str, Any]]) -> tuple[list[int], SampleDigest | None]:
@@ -432,6 +482,10 @@ class DataTracker:
           a load on a changed dataset can name the shard that differs and map the remaining work by
           shard name. It costs about ``len(name) + len(fingerprint) + 15`` bytes per shard; turn it
           off for very many shards.
+        * ``consumers`` (when the work is not cut as a fresh cut would be, e.g. a DataLoader's workers
+          stopped mid-turn): the :class:`~uc_checkpoint.data.layout.ConsumerLayout`, each consumer's
+          remaining samples and each rank's :attr:`next_worker`, with which a run of the same world
+          size, workers and ``batch_size`` resumes batch for batch.
 
         All values are plain bools, ints, strings, lists and None (JSON-serialisable). A state whose
         remaining work is empty also runs the end-of-epoch check (see ``exactly_once``).
@@ -447,6 +501,13 @@ class DataTracker:
         left = total_size(remaining)
         if not left:
             self._check_epoch(digest)
+        layout = ConsumerLayout(
+            cfg.world_size,
+            cfg.workers_per_rank,
+            cfg.batch_size,
+            tuple(size - k for size, k in zip(self._slice_sizes, consumed)),
+            gathered_next_workers(local_states, cfg.workers_per_rank),
+        )
         state = TrackerState(
             cfg.fingerprint,
             cfg.seed,
@@ -457,6 +518,7 @@ class DataTracker:
             shard_list,
             cfg.shuffle_within_shard,
             digest,
+            None if layout.is_even() else layout,
         )
         return state.to_dict()
 
@@ -501,10 +563,15 @@ class DataTracker:
         Raises:
             DatasetMismatchError: the state was written for a different dataset (names, counts, order,
                 or the content fingerprint of a shard: the message names the shard and both) and
-                ``allow_dataset_change`` is False. With it True, a warning is logged and the remaining
-                work is kept where it still fits: intervals of shards that are gone are dropped, those
-                of shrunk shards clipped (matched by shard name when the state has the shard list, else
-                by index). Shards or samples added since are read from the next epoch on.
+                ``allow_dataset_change`` is False. With it True, the remaining work is carried over
+                shard by shard (:func:`~uc_checkpoint.data.dataset_change.carry_over`: by shard name
+                when the state has the shard list, else by index) and a warning says what changed;
+                unread samples that cannot be carried over (their shard is gone or renamed, or too
+                short now, or shuffled and resized) raise it naming each such shard and its count,
+                unless ``drop_unmapped`` (then they are dropped and listed in :attr:`dataset_change`).
+                Shards or samples added since are read from the next epoch on.
+                The dataset a state names does not depend on where it is stored: shard names are
+                relative and fingerprints describe content (:class:`ShardSpec`).
             TrackerStateError: (a ``ValueError``) the state is not a dict, has another ``format``, a
                 missing or unknown key, a field of the wrong type or out of range, remaining work that
                 overlaps, is out of stream order or exceeds its shard, or counts that do not add up to
@@ -512,11 +579,14 @@ class DataTracker:
         """
         loaded = TrackerState.from_dict(state)
         consumed_before = loaded.digest
+        change = None
+        layout = None
         if loaded.same_dataset(self._config.shards):
             loaded.check_fits(self._config.shards)
             remaining = list(loaded.remaining)
+            layout = usable_layout(loaded.consumers, self._config)
         else:
-            remaining = self._remap_changed_dataset(loaded)
+            remaining, change = carry_over_state(loaded, self._config)
             consumed_before = None  # samples were dropped or changed: the epoch cannot be checked
         if loaded.seed != self._config.seed:
             logger.warning(
@@ -533,9 +603,10 @@ class DataTracker:
                 self._config.shuffle_within_shard,
             )
             self._config = dataclasses.replace(self._config, shuffle_within_shard=loaded.shuffle_within_shard)
-        self._set_work(loaded.epoch, remaining, consumed_before)
+        self._set_work(loaded.epoch, remaining, consumed_before, layout)
         self._source = _Source.LOADED
         self._load_count += 1
+        self._dataset_change = change
         logger.info(
             "data tracker: rank %d restored epoch %d, %d samples remaining, split over %d consumers (%d for this rank)",
             self._config.rank,
@@ -545,61 +616,11 @@ class DataTracker:
             self.samples_left(),
         )
 
-    def _remap_changed_dataset(self, loaded: TrackerState) -> list[Interval]:
-        """The remaining work of a state saved for another dataset, carried over to this one."""
-        diff = loaded.describe_difference(self._config.shards)
-        if not self._config.allow_dataset_change:
-            raise DatasetMismatchError(
-                f"the data state was saved for a different dataset: {diff}. Pass "
-                "allow_dataset_change=True to continue with the remaining work that still fits."
-            )
-        remaining, dropped = remap_to_dataset(loaded.remaining, loaded.shards, self._config.shards)
-        logger.warning(
-            "data tracker: dataset changed since the checkpoint (%s); continuing epoch %d with the "
-            "saved remaining work: %d samples dropped (shards removed or shrunk), %d kept; shards and "
-            "samples added since are read from the next epoch on",
-            diff,
-            loaded.epoch,
-            dropped,
-            total_size(remaining),
-        )
-        return remaining
-
-
-def _resume_summary(
-    config: TrackerConfig, epoch: int, base: Sequence[Interval], slices: Sequence[Sequence[Interval]], max_names: int
-) -> dict[str, Any]:
-    """:meth:`DataTracker.resume_summary` of work ``base`` cut into ``slices``."""
-    shards = config.shards
-    left_per_shard = [0] * len(shards)
-    for iv in base:
-        left_per_shard[iv.shard] += iv.size
-    skipped = [s.name for i, s in enumerate(shards) if s.num_samples and left_per_shard[i] == 0]
-    partial = [
-        [s.name, s.num_samples - left_per_shard[i], s.num_samples]
-        for i, s in enumerate(shards)
-        if 0 < left_per_shard[i] < s.num_samples
-    ]
-    seeks = []
-    for c, piece in enumerate(slices):
-        if piece and piece[0].start > 0:
-            rank, worker = divmod(c, config.workers_per_rank)
-            seeks.append([rank, worker, shards[piece[0].shard].name, piece[0].start])
-    remaining = sum(left_per_shard)
-    return {
-        "epoch": epoch,
-        "samples_consumed_in_epoch": config.total_samples - remaining,
-        "samples_remaining": remaining,
-        "skipped_shards": len(skipped),
-        "skipped_names": skipped[:max_names],
-        "partial_shards": partial,
-        "seeks": seeks,
-    }
-
 
 __all__ = [
     "STATE_FORMAT",
     "DataTracker",
+    "DatasetChange",
     "DatasetMismatchError",
     "Interval",
     "ShardSpec",

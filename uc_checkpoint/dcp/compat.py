@@ -18,6 +18,7 @@ import contextlib
 import functools
 import io
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -69,6 +70,42 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def default_group_timeout() -> timedelta:
+    """The timeout of the default process group's collectives: what
+    ``init_process_group(timeout=...)`` set (torch's default when none was given). Read from the
+    group's backend options (``ProcessGroup._get_backend(device).options._timeout``, checked on
+    torch 2.13 for gloo and NCCL), the CPU backend first; where this torch has no such field, the
+    default store's timeout (``Store.timeout``, which ``init_process_group`` sets to the same
+    value).
+
+    Raises:
+        ValueError (torch's): the default process group is not initialised.
+    """
+    from torch.distributed import distributed_c10d
+
+    pg = distributed_c10d._get_default_group()
+    devices = sorted(getattr(pg, "_device_types", []), key=lambda d: d.type != "cpu")
+    for device in devices:
+        try:
+            timeout = pg._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):  # no backend for that device, or a torch without the field
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    timeout = default_store().timeout
+    assert isinstance(timeout, timedelta)
+    return timeout
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Give the default process group's collectives ``timeout`` from now on
+    (``distributed_c10d._set_pg_timeout``, torch 2.3+, checked on 2.13: gloo and NCCL backends).
+    Used in DCP's PROCESS-mode checkpoint process, whose group DCP creates without a timeout."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, None)
 
 
 def cpu_loader(resolve: Callable[[Any], Any], thread_count: int, copy_ahead_bytes: int) -> Any:
@@ -177,10 +214,12 @@ __all__ = [
     "_split_by_size_and_type",
     "copy_tensors",
     "cpu_loader",
+    "default_group_timeout",
     "default_store",
     "dtensor_like",
     "dtensor_local",
     "narrow_tensor_by_index",
     "save_without_zip_crc",
+    "set_default_group_timeout",
     "tensor_version",
 ]

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from uc_checkpoint.dcp import compat as dcp_compat
 from uc_checkpoint.dcp import extensions, metadata_io
 from uc_checkpoint.dcp.buffers import BufferLease, StagingBuffers
 from uc_checkpoint.dcp.compat import StreamTransformExtension
@@ -60,7 +62,7 @@ from uc_checkpoint.dcp.stager import UnsupportedSnapshot, cpu_snapshot
 from uc_checkpoint.engine import publish
 from uc_checkpoint.engine.listing import checkpoint_files
 from uc_checkpoint.engine.publish import SaveMarker
-from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir, staging_dir_for
+from uc_checkpoint.engine.staging_dir import create_staging_dir, staging_dir_for
 from uc_checkpoint.engine.upload import UploadSession
 from uc_checkpoint.errors import StagingError, UCCheckpointError
 from uc_checkpoint.format import layout
@@ -297,6 +299,11 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         #: This rank's :class:`~uc_checkpoint.observability.TransferRecord` of the last save (None before
         #: one succeeded; in DCP's PROCESS mode it stays in the background process).
         self.last_record: TransferRecord | None = None
+        #: In DCP's PROCESS mode, the timeout to give the checkpoint process's own process group,
+        #: which DCP creates with torch's default (30 minutes for gloo): set at each save there,
+        #: before its collectives. None leaves it. ``CheckpointManager`` sets the job's timeout.
+        self.process_group_timeout: timedelta | None = None
+        self._created_by_pid = os.getpid()  # a copy in DCP's checkpoint process runs elsewhere
 
     session_type = _SaveSession
 
@@ -402,6 +409,8 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         if staged is not None:
             save.lease, save.report = staged.lease, staged.report
             save.report.bind(save.volume.url)
+        if self.process_group_timeout is not None and os.getpid() != self._created_by_pid:
+            dcp_compat.set_default_group_timeout(self.process_group_timeout)  # that process's own group
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         save.is_coordinator = is_coordinator
         error = _orphaned_save(save.volume.url, None if staged is None else staged.world_size)
@@ -417,7 +426,7 @@ class UCVolumeWriter(SessionOwner, FileSystemWriter):
         with save.ending_on_error():
             # Fail in the planning step, before anything is written anywhere: probe that staging can
             # be created (write_data creates it again), so a failed plan leaves no directory behind.
-            remove_staging_dir(create_staging_dir(self._staging_path()))
+            create_staging_dir(self._staging_path()).remove()
             if self.is_coordinator or not self.use_collectives:
                 # Claiming the location is a listing and two PUTs (tens of ms on an object store):
                 # it runs while DCP gathers the plans and, with one writer, while its files are

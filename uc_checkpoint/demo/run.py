@@ -215,13 +215,18 @@ def _process_tree(root: int) -> list[int]:
     return tree
 
 
-def kill_process_tree(root: int) -> None:
-    """SIGKILL ``root`` and all its descendants at once (those already gone are skipped)."""
+def kill_process_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Send ``sig`` (default SIGKILL) to ``root`` and all its descendants at once, as a scheduler
+    stopping every process of a node does. Returns the pids signalled (those already gone are
+    skipped)."""
+    signalled = []
     for pid in _process_tree(root):
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
-            pass
+            continue
+        signalled.append(pid)
+    return signalled
 
 
 def kill_job(job: Job) -> None:

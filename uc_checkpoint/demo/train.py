@@ -62,8 +62,8 @@ class DemoShardReader:
     (:class:`~uc_checkpoint.data.readers.TokenReader`: sample ``j`` is the ``j``-th window of
     ``seq_len + 1`` bytes, from a memory map in the data-loader worker: a seek, never a scan).
     Yields ``(window, shard index, j)`` so that the training loop can log which samples it
-    consumed. ``specs`` are the shards as the tracker takes them (full paths, sample counts, content
-    fingerprints)."""
+    consumed. ``specs`` are the shards as the tracker takes them (names relative to the root,
+    sample counts, content fingerprints)."""
 
     def __init__(self, shards: ShardSet, seq_len: int) -> None:
         self.tokens = TokenReader(shards.root, seq_len, dtype="uint8", files=[info.name for info in shards.shards])

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from uc_checkpoint.engine.ranges import ByteBudget, RangeRequest
-from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir
+from uc_checkpoint.engine.staging_dir import create_staging_dir
 from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
 from uc_checkpoint.errors import CorruptCheckpointError
 from uc_checkpoint.format.integrity import FileRecord, verify_blocks
@@ -363,7 +363,8 @@ def fetch_files(
         Whatever ``consume`` raises. On any error the other downloads are cancelled or waited for.
     """
     started, retries = time.perf_counter(), volume.retries
-    cache = create_staging_dir(staging)
+    held = create_staging_dir(staging)
+    cache = held.path
     ready: queue.SimpleQueue[FileFetch] = queue.SimpleQueue()
     pool = TransferPool(workers, name=thread_name)
     outstanding = 0
@@ -394,7 +395,7 @@ def fetch_files(
     finally:
         pool.shutdown(cancel_pending=True)
         volume.close()  # its transfer threads end here; the next use makes new ones
-        remove_staging_dir(cache)
+        held.remove()
     return FetchStats(nfiles, nbytes, time.perf_counter() - started, volume.retries - retries)
 
 

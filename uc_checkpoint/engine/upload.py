@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
 
-from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir
+from uc_checkpoint.engine.staging_dir import STAGING_HINT, create_staging_dir
 from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
 from uc_checkpoint.errors import StagingError, TransferError
 from uc_checkpoint.observability import TransferRecord
@@ -77,7 +77,8 @@ class UploadSession:
         self.rank = rank
         self._sync = sync
         self._retries_before = volume.retries
-        self.staging = create_staging_dir(staging)
+        held = create_staging_dir(staging)
+        self.staging = held.path
         self._started = time.perf_counter()
         self._spans: list[tuple[float, float]] = []  # (start, end) of each upload, perf_counter seconds
         self._probe: _StagingProbe | None = None
@@ -87,7 +88,7 @@ class UploadSession:
         self._group.add_failure_cleanup(self._probe_staging)
         self._group.add_done_callback(lambda: self._pool.shutdown(cancel_pending=True))
         self._group.add_done_callback(volume.close)
-        self._group.add_done_callback(lambda: remove_staging_dir(self.staging))
+        self._group.add_done_callback(held.remove)
 
     def add_done_callback(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` once when the session ends, after the staging directory is removed."""
@@ -147,7 +148,9 @@ class UploadSession:
         self._group.cancel()
         problem = None if exc is None else self._staging_problem(exc)
         if problem is not None:
-            raise StagingError(f"{problem}; save to {self.volume.url} abandoned, nothing published") from exc
+            raise StagingError(
+                f"{problem}; save to {self.volume.url} abandoned, nothing published; {STAGING_HINT}"
+            ) from exc
 
     def _probe_staging(self) -> None:
         if not self.staging.is_dir():

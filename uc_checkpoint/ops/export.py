@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.engine.publish import check_data_files, publish_metadata, remove_superseded
-from uc_checkpoint.engine.staging_dir import create_staging_dir, remove_staging_dir, staging_dir_for
+from uc_checkpoint.engine.staging_dir import create_staging_dir, staging_dir_for
 from uc_checkpoint.errors import CheckpointExistsError, TransferError, VolumeError
 from uc_checkpoint.ops.export_formats import ExportFormat, export_format, files_of_index, index_bytes
-from uc_checkpoint.volumes import Volume, open_volume
+from uc_checkpoint.volumes import LocalVolume, Volume, open_volume
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +308,31 @@ def _existing(
     return entries, shards
 
 
+def _check_apart(checkpoint: Volume, dest: Volume) -> None:
+    """Refuse an export whose destination is the checkpoint, lies inside it, or holds it: the
+    export would write among the checkpoint's files, or list them as its own. Local locations are
+    compared by their real paths (symlinks resolved: a link that reaches the checkpoint is inside
+    it); other volumes by their URLs.
+
+    Raises:
+        VolumeError: naming both locations (and the real paths, where a link led there).
+    """
+    given = ckpt_at, dest_at = checkpoint.url.rstrip("/"), dest.url.rstrip("/")
+    if isinstance(checkpoint, LocalVolume) and isinstance(dest, LocalVolume):
+        ckpt_at, dest_at = os.path.realpath(checkpoint.root), os.path.realpath(dest.root)
+    resolved = "" if (ckpt_at, dest_at) == given else f" (real paths {dest_at} and {ckpt_at})"
+    if (dest_at.rstrip("/") + "/").startswith(ckpt_at.rstrip("/") + "/"):
+        raise VolumeError(
+            f"export destination {dest.url} is inside the checkpoint {checkpoint.url}{resolved}: "
+            "choose a location outside it"
+        )
+    if (ckpt_at.rstrip("/") + "/").startswith(dest_at.rstrip("/") + "/"):
+        raise VolumeError(
+            f"the checkpoint {checkpoint.url} is inside the export destination {dest.url}{resolved}: "
+            "choose a location that does not hold the checkpoint"
+        )
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike[str] | Volume,
     dest: str | Volume,
@@ -350,8 +375,8 @@ def export_checkpoint(
         CorruptCheckpointError: the checkpoint's files are missing, truncated or damaged (named).
         CheckpointExistsError: an export of this format is at ``dest`` and ``overwrite`` is false,
             or one appeared while this one ran.
-        ValueError: see :func:`plan_export`; a dtype the format cannot hold; an unknown format;
-            ``dest`` inside the checkpoint.
+        VolumeError: ``dest`` is the checkpoint, inside it or holds it (through a symlink too).
+        ValueError: see :func:`plan_export`; a dtype the format cannot hold; an unknown format.
         UCCheckpointError: ``safetensors`` is asked for and the package is missing.
         TransferError / VolumeError: ``dest`` cannot be written, or a file landed with another size.
     """
@@ -365,11 +390,7 @@ def export_checkpoint(
     )
     fmt.check_dtypes({t.dtype for t in plan.tensors})
     volume = open_volume(dest, **(volume_options or {}))
-    inside = volume.url.rstrip("/") + "/"
-    if inside.startswith(source.rstrip("/") + "/"):
-        raise ValueError(
-            f"export destination {volume.url} is inside the checkpoint {source}: choose a location outside it"
-        )
+    _check_apart(reader.volume, volume)
     try:
         volume.prepare_for_write(create_parents=True)
     except VolumeError as exc:
@@ -392,7 +413,8 @@ def export_checkpoint(
     summary.tensor_bytes = sum(t.nbytes for t in plan.tensors)
     if plan.skipped:
         logger.info("not exported (not tensors): %s", ", ".join(plan.skipped))
-    stage = create_staging_dir(staging_dir_for(staging_dir, "export", volume.url, export_id, 0))
+    held = create_staging_dir(staging_dir_for(staging_dir, "export", volume.url, export_id, 0))
+    stage = held.path
     try:
         if len(plan.shards) == 1:
             _write_single(
@@ -403,7 +425,7 @@ def export_checkpoint(
                 reader, volume, fmt, plan, stage, summary, old_index=old_entries.get(fmt.index), progress=progress
             )
     finally:
-        remove_staging_dir(stage)
+        held.remove()
     # The new export is published. What the old one had, and what killed exports left, goes now:
     # its other entry first (no entry may name a missing shard), then shards nothing names.
     kept = set(summary.files)
@@ -416,12 +438,14 @@ def export_checkpoint(
     summary.removed = stale_entries + stale_shards
     summary.seconds = time.monotonic() - started
     logger.info(
-        "exported %d tensors (%d bytes) of %s to %s in %d files (%.1f s)",
+        "exported %d tensor%s (%d bytes) of %s to %s in %d file%s (%.1f s)",
         summary.tensors,
+        "" if summary.tensors == 1 else "s",
         summary.tensor_bytes,
         source,
         volume.url,
         len(summary.files),
+        "" if len(summary.files) == 1 else "s",
         summary.seconds,
     )
     return summary

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from uc_checkpoint.engine.listing import checkpoint_entries, in_parallel, remove_empty_spread_dirs
-from uc_checkpoint.engine.staging_dir import default_staging_root
+from uc_checkpoint.engine.staging_dir import (
+    LOCK_SUFFIX,
+    OWNER_SUFFIX,
+    owned_on_this_host,
+    reclaim_dead_staging,
+    user_staging_base,
+)
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file, is_claim
 from uc_checkpoint.ops.catalog import list_step_entries, open_root, step_of
@@ -135,14 +141,19 @@ def _upload_covered(name: str, root_is_location: bool) -> bool:
     return root_is_location and ("/" not in name or is_checkpoint_file(name))
 
 
-def _collect_staging(staging_root: Path, cutoff: float, report: GCReport) -> None:
-    base = staging_root / "uc-checkpoint"
+def _collect_staging(base: Path, cutoff: float, report: GCReport) -> None:
+    """This user's staging directories under ``base``: those of dead processes of this host at once
+    (whatever their age), those of live ones never, the rest (no owner record, or another host's)
+    once their newest file is older than ``cutoff``."""
+    reclaimed = reclaim_dead_staging(base, dry_run=report.dry_run)
+    report.removed_staging_dirs += [str(r.path) for r in reclaimed]
+    gone = {r.path.name for r in reclaimed}
     try:
         entries = list(os.scandir(base))
     except (FileNotFoundError, NotADirectoryError):
         return
     for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
+        if entry.name in gone or not entry.is_dir(follow_symlinks=False) or owned_on_this_host(Path(entry.path)):
             continue
         newest = entry.stat(follow_symlinks=False).st_mtime
         for dirpath, dirnames, filenames in os.walk(entry.path):
@@ -156,6 +167,8 @@ def _collect_staging(staging_root: Path, cutoff: float, report: GCReport) -> Non
         report.removed_staging_dirs.append(entry.path)
         if not report.dry_run:
             shutil.rmtree(entry.path, ignore_errors=True)
+            for suffix in (OWNER_SUFFIX, LOCK_SUFFIX):
+                Path(entry.path + suffix).unlink(missing_ok=True)
 
 
 def collect_garbage(
@@ -174,8 +187,11 @@ def collect_garbage(
     * published locations: files the ``.metadata`` does not reference (a failed re-save at the same
       location), when all of them are older than ``grace_s``; the checkpoint itself is untouched;
     * incomplete multipart uploads at the locations, started more than ``grace_s`` ago;
-    * with ``include_staging``: staging directories on this host (under ``staging_dir`` or the
-      default staging root) whose newest file is older than ``grace_s``.
+    * with ``include_staging``: this user's staging directories under ``staging_dir`` (or the
+      default staging root): at once those whose owner process on this host is gone
+      (:func:`~uc_checkpoint.engine.staging_dir.reclaim_dead_staging`), never those of a live
+      one, and the others (no owner record, or another host's) once their newest file is older
+      than ``grace_s``.
 
     Never deletes a ``.metadata``, a file it references, or a file whose name no save produces. Run it on one process (rank 0 or a
     cron job). Returns a :class:`GCReport`.
@@ -220,7 +236,7 @@ def collect_garbage(
             older_than_s=grace_s, within=lambda name: _upload_covered(name, is_location)
         )
     if include_staging:
-        _collect_staging(Path(staging_dir) if staging_dir is not None else default_staging_root(), cutoff, report)
+        _collect_staging(user_staging_base(staging_dir), cutoff, report)
     logger.info(
         "gc %s: %s %d files (%d bytes), aborted %d uploads, %d staging dirs; spared %d locations",
         volume.url,

@@ -234,7 +234,7 @@ class Volume(ABC):
 
     def stat(self, name: str) -> FileStat | None:
         """Size, time and version tag of the file ``name``, or ``None`` if it does not exist (or is a
-        sub-location). Data readers build a shard's content fingerprint from it.
+        sub-location). Data readers take a file's version stamp (mtime or ETag) from it.
 
         Derived from one listing; backends with a cheaper call (``stat``, ``HEAD``) override it.
 

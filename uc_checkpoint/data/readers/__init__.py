@@ -5,7 +5,8 @@ imported only when a Parquet or Hugging Face reader is built. See docs/data-trac
 
 from __future__ import annotations
 
-from uc_checkpoint.data.readers.base import ShardReader, file_fingerprint
+from uc_checkpoint.data.readers.base import ShardReader
+from uc_checkpoint.data.readers.fingerprint import file_fingerprint
 from uc_checkpoint.data.readers.hf import HfDatasetReader
 from uc_checkpoint.data.readers.jsonl import GzipJsonlReader, JsonlReader
 from uc_checkpoint.data.readers.parquet import ParquetReader

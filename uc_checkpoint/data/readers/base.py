@@ -8,9 +8,15 @@ shard by seeking (:meth:`ShardReader.__call__`, the ``read_shard`` of
 (:meth:`ShardReader.read_indices`, for formats with random access). Readers pickle without their
 open files and caches: DataLoader workers open what they need themselves.
 
+A shard is named relative to the location and fingerprinted by its content
+(:func:`~uc_checkpoint.data.readers.fingerprint.content_fingerprint`), so a dataset keeps its
+identity when it is copied or synced elsewhere; the store's version stamp of a file
+(:func:`~uc_checkpoint.data.readers.fingerprint.version_of`: mtime or ETag) only keys what is kept
+per place and tells a worker that a file changed since :meth:`ShardReader.shards`.
+
 Formats whose sample boundaries are not in the file's own metadata (JSON Lines, tar) keep an index
-built once per file content (:class:`IndexCache`): beside the file where that directory is
-writable, else under the staging root; it records the file's fingerprint and is rebuilt, never
+built once per file version (:class:`IndexCache`): beside the file where that directory is
+writable, else under the staging root; it records the file's version stamp and is rebuilt, never
 trusted, when the file changed.
 
 The shape (a reader object whose call reads one shard's range) follows the tracker's
@@ -40,6 +46,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar, cast
 import numpy as np
 
 from uc_checkpoint.data.intervals import ShardSpec
+from uc_checkpoint.data.readers.fingerprint import content_fingerprint, version_of
 from uc_checkpoint.engine.staging_dir import default_staging_root
 from uc_checkpoint.errors import CorruptCheckpointError, DataFormatError, DataLoadingError, DatasetMismatchError
 from uc_checkpoint.volumes import FileStat, LocalVolume, Volume, open_volume
@@ -64,31 +71,6 @@ def require(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise ImportError(f"this reader needs {module.split('.')[0]}: pip install 'uc-checkpoint[{extra}]'") from None
-
-
-def fingerprint_of(stat: FileStat) -> str:
-    """The content fingerprint of a file (contract of :class:`ShardSpec.fingerprint`):
-    ``etag=<ETag>,size=<bytes>`` where the store keeps version tags (objects),
-    ``size=<bytes>,mtime_ns=<int>`` where it keeps times (local files), else ``size=<bytes>``."""
-    if stat.etag:
-        return f"etag={stat.etag},size={stat.size}"
-    if stat.mtime_ns is not None:
-        return f"size={stat.size},mtime_ns={stat.mtime_ns}"
-    return f"size={stat.size}"
-
-
-def file_fingerprint(name: str, volume: Volume) -> str:
-    """The fingerprint (:func:`fingerprint_of`) of the file ``name`` of ``volume``: one ``stat``
-    locally, one HEAD on S3.
-
-    Raises:
-        DataFormatError: the file does not exist.
-        VolumeError / TransferError: the store could not be asked.
-    """
-    stat = volume.stat(name)
-    if stat is None:
-        raise DataFormatError(f"data shard {volume.url_of(name)} does not exist")
-    return fingerprint_of(stat)
 
 
 def contiguous_runs(indices: np.ndarray) -> list[tuple[int, int]]:
@@ -128,9 +110,11 @@ class IndexCache:
     """Indexes of data files (line offsets, tar members, record batches), built once per file
     content and kept as ``<file>.uc-index`` beside a local file whose directory is writable, else as
     ``<index_dir>/<hash of the URL>-<file name>.uc-index`` (``index_dir`` defaults to
-    ``<staging root>/uc-checkpoint/data-index``; remote and read-only data). Each index records the
-    kind, the data file's URL and fingerprint; one that does not match the file as it is now (the
-    file changed) or is damaged is rebuilt, never used.
+    ``<staging root>/uc-checkpoint-data-index-<uid>``; remote and read-only data). Each index records the
+    kind, the data file's URL and version stamp (:func:`version_of`); one that does not match the
+    file as it is now (the file changed, or it is a copy of the index made with the data elsewhere)
+    or is damaged (its length or SHA-256 checksum, recorded with it, does not match: bit rot, a
+    truncated write, edited entries) is rebuilt, never used.
 
     Args:
         index_dir: where indexes of files that cannot have one beside them go.
@@ -145,14 +129,16 @@ class IndexCache:
             data = volume.root / name
             if os.access(data.parent, os.W_OK | os.X_OK):
                 return data.with_name(data.name + INDEX_SUFFIX)
-        root = self.index_dir or default_staging_root() / "uc-checkpoint" / "data-index"
+        # Per user, as staging is: a directory another user created first is not writable here.
+        root = self.index_dir or default_staging_root() / f"uc-checkpoint-data-index-{os.geteuid()}"
         url = volume.url_of(name)
         digest = hashlib.sha256(url.encode()).hexdigest()[:16]
         return root / f"{digest}-{name.rsplit('/', 1)[-1]}{INDEX_SUFFIX}"
 
-    def load(self, volume: Volume, name: str, kind: str, fingerprint: str) -> bytes | None:
-        """The cached index payload of ``name`` when it was built for this content, else None."""
-        if not fingerprint:
+    def load(self, volume: Volume, name: str, kind: str, version: str) -> bytes | None:
+        """The cached index payload of ``name`` when it was built for this version of the file
+        (:func:`version_of`), else None."""
+        if not version:
             return None
         path = self.path_for(volume, name)
         try:
@@ -167,21 +153,31 @@ class IndexCache:
             meta = json.loads(head) if raw.startswith(_INDEX_MAGIC) and sep else None
         except (ValueError, RecursionError):
             meta = None
-        if not isinstance(meta, dict) or meta.get("payload_bytes") != len(payload):
-            logger.warning("data index %s is damaged; rebuilding it", path)
+        if (
+            not isinstance(meta, dict)
+            or meta.get("payload_bytes") != len(payload)
+            or meta.get("payload_sha256") != hashlib.sha256(payload).hexdigest()
+        ):
+            logger.warning("data index %s is damaged (its checksum does not match); rebuilding it", path)
             return None
-        if (meta.get("kind"), meta.get("source"), meta.get("fingerprint")) != (kind, volume.url_of(name), fingerprint):
+        if (meta.get("kind"), meta.get("source"), meta.get("version")) != (kind, volume.url_of(name), version):
             logger.info("data index %s is stale (%s changed); rebuilding it", path, volume.url_of(name))
             return None
         return payload
 
-    def store(self, volume: Volume, name: str, kind: str, fingerprint: str, payload: bytes) -> None:
-        """Keep ``payload`` as the index of ``name`` (atomically: temp file and rename). A failure to
-        write is logged, not raised: the index is rebuilt next time."""
-        if not fingerprint:
+    def store(self, volume: Volume, name: str, kind: str, version: str, payload: bytes) -> None:
+        """Keep ``payload`` as the index of ``name`` at ``version`` (atomically: temp file and
+        rename). A failure to write is logged, not raised: the index is rebuilt next time."""
+        if not version:
             return
         path = self.path_for(volume, name)
-        meta = {"kind": kind, "source": volume.url_of(name), "fingerprint": fingerprint, "payload_bytes": len(payload)}
+        meta = {
+            "kind": kind,
+            "source": volume.url_of(name),
+            "version": version,
+            "payload_bytes": len(payload),
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),  # a damaged index is seen, not used
+        }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -218,9 +214,14 @@ class ShardReader(ABC):
             ``addressing_style``, ...; the same options checkpoint volumes take).
         index_dir: where indexes of remote or read-only files are kept (see :class:`IndexCache`).
 
-    Shard names are the files' full URLs (``volume.url_of(file)``); a shard's ``fingerprint`` is its
-    file's (:func:`fingerprint_of`). Reading a shard first checks, once per process, that the file
-    still has that fingerprint.
+    A shard's ``name`` is its file's name relative to ``location`` (``part-0001.jsonl``,
+    ``train/data-00000-of-00004.arrow``) and its ``fingerprint`` the file's
+    :func:`content_fingerprint`: neither depends on where the dataset is stored, so a state saved
+    while reading it from one place resumes on the same files copied or synced to another. Reading a
+    shard first checks, once per process (each DataLoader worker, forked or spawned, checks again),
+    that the file is still the one the shard describes: its version stamp (:func:`version_of`) is
+    still the one :meth:`shards` saw, or, for a shard this reader did not list (or listed at another
+    version), its content fingerprint is the shard's.
 
     Raises (from the constructor):
         VolumeError: ``location`` cannot be opened with ``volume_options``.
@@ -242,14 +243,14 @@ class ShardReader(ABC):
         self.volume = open_volume(location, **(volume_options or {}))
         self.files = None if files is None else [str(f) for f in files]
         self.index_cache = IndexCache(index_dir)
-        self._cache: dict[Any, Any] = {}  # per process: open files, parsed indexes; not pickled
+        self._cache: dict[Any, Any] = {}  # per process: open files, parsed indexes, checks; not pickled
         self._cache_pid = os.getpid()
-        self._checked: set[str] = set()
+        # name -> (version stamp, content fingerprint) as shards() saw them; travels to workers
+        self._listed: dict[str, tuple[str, str]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"] = {}
-        state["_checked"] = set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -258,8 +259,8 @@ class ShardReader(ABC):
 
     @property
     def cache(self) -> dict[Any, Any]:
-        """This process's open files and parsed indexes: a forked worker starts with an empty one
-        (no file position or client shared with its parent)."""
+        """This process's open files, parsed indexes and shard checks: a forked worker starts with an
+        empty one (no file position or client shared with its parent, every shard checked again)."""
         if self._cache_pid != os.getpid():
             self._cache = {}
             self._cache_pid = os.getpid()
@@ -287,8 +288,10 @@ class ShardReader(ABC):
         return names
 
     def shards(self) -> list[ShardSpec]:
-        """One :class:`ShardSpec` per shard file: full URL, sample count (from the format's metadata
-        or a cached index) and content fingerprint.
+        """One :class:`ShardSpec` per shard file: its name relative to the location, sample count
+        (from the format's metadata or a cached index) and :func:`content_fingerprint`. Per file: one
+        ``stat`` (a HEAD on S3), one or two ranged reads of 64 KiB for the fingerprint, and what
+        counting needs.
 
         Raises:
             DataFormatError: a file is not of this format (the message names it).
@@ -299,10 +302,11 @@ class ShardReader(ABC):
             stat = self.volume.stat(name)
             if stat is None:
                 raise DataFormatError(f"data shard {self.volume.url_of(name)} does not exist")
-            fingerprint = fingerprint_of(stat)
-            count = self._count(name, stat.size, fingerprint)
-            out.append(ShardSpec(self.volume.url_of(name), count, fingerprint))
-            self._checked.add(self.volume.url_of(name))
+            version = version_of(stat)
+            fingerprint = content_fingerprint(self.volume, name, stat.size)
+            count = self._count(name, stat.size, version)
+            out.append(ShardSpec(name, count, fingerprint))
+            self._listed[name] = (version, fingerprint)
         return out
 
     def file_stat(self, name: str) -> FileStat:
@@ -324,7 +328,7 @@ class ShardReader(ABC):
         encode: Callable[[T], bytes],
         decode: Callable[[str, bytes, int], T | None],
         size: int | None = None,
-        fingerprint: str | None = None,
+        version: str | None = None,
     ) -> T:
         """The index of file ``name``, built once per file content: this process's copy, else the
         :attr:`index_cache` entry made for the file as it is now (when ``decode`` accepts it), else
@@ -337,8 +341,8 @@ class ShardReader(ABC):
             encode: the index as the bytes kept in the index cache.
             decode: ``decode(name, payload, size)``: the index from cached bytes, or None when they
                 are not one (then it is rebuilt).
-            size, fingerprint: the file's size in bytes and fingerprint (:func:`fingerprint_of`)
-                where the caller has them; else one :meth:`file_stat`.
+            size, version: the file's size in bytes and version stamp (:func:`version_of`) where
+                the caller has them; else one :meth:`file_stat`.
 
         Raises:
             DataFormatError: the file does not exist, or ``scan`` / ``decode`` found it malformed.
@@ -347,14 +351,14 @@ class ShardReader(ABC):
         found = self.cache.get(key)
         if found is not None:
             return cast(T, found)
-        if size is None or fingerprint is None:
+        if size is None or version is None:
             stat = self.file_stat(name)
-            size, fingerprint = stat.size, fingerprint_of(stat)
-        payload = self.index_cache.load(self.volume, name, kind, fingerprint)
+            size, version = stat.size, version_of(stat)
+        payload = self.index_cache.load(self.volume, name, kind, version)
         index = None if payload is None else decode(name, payload, size)
         if index is None:
             index = scan(name, size)
-            self.index_cache.store(self.volume, name, kind, fingerprint, encode(index))
+            self.index_cache.store(self.volume, name, kind, version, encode(index))
         self.cache[key] = index
         return index
 
@@ -366,7 +370,7 @@ class ShardReader(ABC):
         columns: int,
         scan: Callable[[str, int], np.ndarray],
         size: int | None = None,
-        fingerprint: str | None = None,
+        version: str | None = None,
         *,
         min_rows: int = 0,
         fits: Callable[[np.ndarray, int], bool] | None = None,
@@ -386,23 +390,23 @@ class ShardReader(ABC):
             table = np.frombuffer(payload, dtype=dtype).reshape(-1, columns)
             return table if fits is None or fits(table, size) else None
 
-        return self.cached_index(
-            name, kind, scan, lambda table: table.astype(dtype).tobytes(), decode, size, fingerprint
-        )
+        return self.cached_index(name, kind, scan, lambda table: table.astype(dtype).tobytes(), decode, size, version)
 
     @abstractmethod
-    def _count(self, name: str, size: int, fingerprint: str) -> int:
-        """Samples in file ``name`` of ``size`` bytes, from metadata or an index (never all data)."""
+    def _count(self, name: str, size: int, version: str) -> int:
+        """Samples in file ``name`` of ``size`` bytes and version stamp ``version``
+        (:func:`version_of`), from metadata or an index (never all data)."""
 
     # ---- reading ----------------------------------------------------------------------------------
     def __call__(self, shard: ShardSpec, start: int, end: int) -> Iterator[Any]:
         """Samples ``start .. end - 1`` of ``shard``, in order, seeking to ``start``.
 
         Raises:
-            DataLoadingError: ``shard`` is not one of this reader's location, or the range is
-                outside it.
-            DatasetMismatchError: the file changed since :meth:`shards` (its fingerprint differs).
-            DataFormatError: the file is truncated or malformed.
+            DataLoadingError: ``shard``'s name is not relative to this reader's location (an
+                absolute path or URL), or the range is outside the shard.
+            DatasetMismatchError: the file is not the one ``shard`` describes: it changed since
+                :meth:`shards`, or its content fingerprint differs from the shard's.
+            DataFormatError: the file is missing, truncated or malformed.
         """
         name = self._open(shard)
         if not 0 <= start <= end <= shard.num_samples:
@@ -438,21 +442,33 @@ class ShardReader(ABC):
             yield from self._read_range(name, start, end)
 
     def _open(self, shard: ShardSpec) -> str:
-        """The file name of ``shard`` relative to the location, after checking (once per process)
-        that the file still has the shard's fingerprint."""
-        base = self.volume.url.rstrip("/") + "/"
-        if not shard.name.startswith(base):
-            raise DataLoadingError(f"shard {shard.name!r} is not under {type(self).__name__}'s location {base}")
-        name = shard.name[len(base) :]
-        expected = shard.fingerprint
-        if expected and shard.name not in self._checked:
-            now = file_fingerprint(name, self.volume)
-            if now != expected:
-                raise DatasetMismatchError(
-                    f"data shard {shard.name} changed since its shard list was made: fingerprint {now}, "
-                    f"the shard list has {expected}"
-                )
-            self._checked.add(shard.name)
+        """The file name of ``shard`` relative to the location, after checking (once per process and
+        shard) that the file is the one the shard describes (see the class docs)."""
+        name = shard.name
+        if name.startswith("/") or "://" in name or ".." in name.split("/"):
+            raise DataLoadingError(
+                f"shard {name!r} is not a name relative to {type(self).__name__}'s location {self.volume.url} "
+                "(ShardSpec names are relative to the dataset's root: use the reader's shards())"
+            )
+        checked: set[str] = self.cache.setdefault("checked", set())
+        if shard.fingerprint and name not in checked:
+            stat = self.file_stat(name)
+            listed = self._listed.get(name)
+            if listed is not None and listed[1] == shard.fingerprint:
+                version = version_of(stat)
+                if version != listed[0]:
+                    raise DatasetMismatchError(
+                        f"data shard {self.volume.url_of(name)} changed since its shard list was made: version "
+                        f"{version}, the shard list was made at {listed[0]}"
+                    )
+            else:
+                now = content_fingerprint(self.volume, name, stat.size)
+                if now != shard.fingerprint:
+                    raise DatasetMismatchError(
+                        f"data shard {self.volume.url_of(name)} is not the shard {name!r} of the shard list: "
+                        f"content fingerprint {now}, the shard list has {shard.fingerprint}"
+                    )
+            checked.add(name)
         return name
 
     def recent(self, kind: str, key: Any, limit: int, load: Callable[[], T]) -> T:
@@ -538,8 +554,6 @@ __all__ = [
     "ShardReaderOptions",
     "ShardReader",
     "contiguous_runs",
-    "file_fingerprint",
-    "fingerprint_of",
     "picks_of_groups",
     "require",
     "rows_of_groups",

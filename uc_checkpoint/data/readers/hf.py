@@ -7,8 +7,14 @@ built once per file content by walking the stream's messages: for each message o
 prefix and its flatbuffer metadata (a few hundred bytes: type, body length, record batch length) are
 read and the body is skipped, so counting rows reads almost nothing of a remote file. The index
 (each record batch's offset, size and row count) is cached like JSON Lines' (beside a writable local
-file, else under the staging root, checked against the fingerprint). The shard order is that of
+file, else under the staging root, checked against the version stamp). The shard order is that of
 ``state.json``'s ``_data_files`` where it exists, else the files' names.
+
+Damage: the stream must be whole messages, optionally ended by the end-of-stream marker and nothing
+after it; bytes that are neither (a file cut inside a message or inside the marker, which pyarrow's
+stream reader and ``datasets.load_from_disk`` refuse) are a
+:class:`~uc_checkpoint.errors.DataFormatError` naming the file. A stream cut exactly between two
+messages is, to the format and to pyarrow, a whole shorter stream (its writer may end it by closing).
 
 Seeking: row ``i`` is in record batch ``b`` found by its cumulative row counts; that batch alone is
 read (a slice of a memory map locally, one ranged read remotely) and decoded with pyarrow; the last
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 _CONTINUATION = 0xFFFFFFFF
+_FILE_MAGIC = b"ARROW1"  # the IPC file format (random access, with a footer), not a stream
 _SCHEMA, _DICTIONARY_BATCH, _RECORD_BATCH = 1, 2, 3  # Message.fbs: union MessageHeader
 
 
@@ -74,6 +81,24 @@ def parse_message(meta: bytes) -> tuple[int, int, int]:
     return kind, body, rows
 
 
+def _messages_fit(index: np.ndarray, size: int) -> bool:
+    """Whether a message index (see :meth:`HfDatasetReader._index`) can be that of a stream of
+    ``size`` bytes: the messages follow each other from byte 0, inside the file, with row counts
+    that never decrease, and it ends with ``(size, 0, total rows)``."""
+    offsets, lengths, before = index[:, 0], index[:, 1], index[:, 2]
+    ends = offsets[:-1] + lengths[:-1]
+    return bool(
+        offsets[0] == 0
+        and before[0] == 0
+        and offsets[-1] == size
+        and lengths[-1] == 0
+        and (lengths[:-1] > 0).all()
+        and (offsets[1:-1] == ends[:-1]).all()
+        and ends[-1] <= size
+        and (np.diff(before) >= 0).all()
+    )
+
+
 class HfDatasetReader(ShardReader):
     """Rows of a ``datasets.Dataset.save_to_disk`` directory (see the module docs).
 
@@ -88,13 +113,14 @@ class HfDatasetReader(ShardReader):
 
     Raises:
         ImportError: pyarrow is missing (one line naming the extra).
-        DataFormatError: a file is not an Arrow IPC stream (bad framing, truncated), has dictionary
-            batches, or lacks a column; the message names the file.
+        DataFormatError: a file is not an Arrow IPC stream (bad framing, cut inside a message, bytes
+            after its end-of-stream marker, an IPC file), has dictionary batches, a batch that does
+            not decode, or lacks a column; the message names the file.
     """
 
     suffixes = (".arrow",)
     random_access = True
-    _kind = "arrow-stream-batches-v1"
+    _kind = "arrow-stream-batches-v2"
 
     def __init__(
         self,
@@ -133,25 +159,41 @@ class HfDatasetReader(ShardReader):
                     return listed
         return super().shard_files()
 
-    def _count(self, name: str, size: int, fingerprint: str) -> int:
-        return int(self._index(name, size, fingerprint)[-1, 2])
+    def _count(self, name: str, size: int, version: str) -> int:
+        return int(self._index(name, size, version)[-1, 2])
 
-    def _index(self, name: str, size: int | None = None, fingerprint: str | None = None) -> np.ndarray:
+    def _index(self, name: str, size: int | None = None, version: str | None = None) -> np.ndarray:
         """``(messages, 3)`` int64: row 0 is the schema message ``(offset, length, 0)``, then one row
         per record batch ``(offset, length, rows before it)``, then ``(size, 0, total rows)``."""
-        return self.cached_table(name, self._kind, "<i8", 3, self._scan, size, fingerprint, min_rows=2)
+        return self.cached_table(name, self._kind, "<i8", 3, self._scan, size, version, min_rows=2, fits=_messages_fit)
 
     def _scan(self, name: str, size: int) -> np.ndarray:
         rows: list[tuple[int, int, int]] = []
         total = 0
         pos = 0
-        while pos + 8 <= size:
+        while pos < size:
             head = self.read_bytes(name, pos, min(size, pos + 4096))
-            first = struct.unpack_from("<I", head, 0)[0]
+            if pos == 0 and head.startswith(_FILE_MAGIC):
+                raise self.malformed(
+                    name, "an Arrow IPC file (ARROW1 magic); save_to_disk writes, and this reader reads, IPC streams"
+                )
+            first = struct.unpack_from("<I", head, 0)[0] if len(head) >= 4 else None
             prefix = 8 if first == _CONTINUATION else 4  # streams before Arrow 0.15 have no continuation
+            if len(head) < prefix:
+                raise self.malformed(
+                    name,
+                    f"truncated: {size - pos} bytes at byte {pos} are neither a whole Arrow message nor the "
+                    "end-of-stream marker",
+                )
             meta_len = struct.unpack_from("<i", head, prefix - 4)[0]
-            if meta_len == 0:
-                break  # end-of-stream marker
+            if meta_len == 0:  # the end-of-stream marker: nothing may follow it
+                if pos + prefix < size:
+                    raise self.malformed(
+                        name,
+                        f"{size - pos - prefix} bytes follow its end-of-stream marker at byte {pos} "
+                        "(damaged, or streams written one after another?)",
+                    )
+                break
             if meta_len < 0 or pos + prefix + meta_len > size:
                 raise self.malformed(name, f"not an Arrow IPC stream, or truncated (message at byte {pos})")
             meta = head[prefix : prefix + meta_len]
@@ -219,11 +261,16 @@ class HfDatasetReader(ShardReader):
         try:
             message = pa.ipc.read_message(self._message(name, int(index[b + 1, 0]), int(index[b + 1, 1])))
             batch = pa.ipc.read_record_batch(message, schema)
-        except pa.ArrowException as exc:
+            if self.columns is not None:
+                batch = batch.select(self.columns)
+            rows: list[dict[str, Any]] = batch.to_pylist()
+        except (pa.ArrowException, UnicodeDecodeError) as exc:  # UnicodeDecodeError: a damaged string column
             raise self.malformed(name, f"cannot decode record batch {b}: {exc}") from None
-        if self.columns is not None:
-            batch = batch.select(self.columns)
-        rows: list[dict[str, Any]] = batch.to_pylist()
+        expected = int(index[b + 2, 2] - index[b + 1, 2])
+        if len(rows) != expected:
+            raise self.malformed(
+                name, f"record batch {b} decoded to {len(rows)} rows, its message header says {expected}"
+            )
         return rows
 
     def _read_range(self, name: str, start: int, end: int) -> Iterator[dict[str, Any]]:

@@ -6,7 +6,7 @@ value.
 ``.jsonl`` (:class:`JsonlReader`, random access): an index of every sample's byte range (two
 little-endian uint64 per line) is built once by one pass over the file and cached
 (:class:`~uc_checkpoint.data.readers.base.IndexCache`: ``<file>.uc-index`` beside a writable local
-file, else under the staging root), checked against the file's fingerprint (a changed file's index
+file, else under the staging root), checked against the file's version stamp (a changed file's index
 is rebuilt). Counting reads only the index; a range of lines is one slice of a memory map (local) or
 ranged reads of just those bytes (remote).
 
@@ -44,8 +44,26 @@ def _is_empty(line: bytes) -> bool:
 
 
 def _within(lines: np.ndarray, size: int) -> bool:
-    """Whether a line index's last line ends inside a file of ``size`` bytes."""
-    return not lines.size or int(lines[-1, 1]) <= size
+    """Whether a line index can be that of a file of ``size`` bytes: non-empty lines in file order,
+    each ending before the next starts (a newline between), the last inside the file."""
+    if not lines.size:
+        return True
+    starts, ends = lines[:, 0], lines[:, 1]
+    return bool(int(ends[-1]) <= size and (starts < ends).all() and (starts[1:] > ends[:-1]).all())
+
+
+def _members_fit(members: np.ndarray, size: int) -> bool:
+    """Whether a gzip member index can be that of a file of ``size`` bytes: it starts at ``(0, 0)``,
+    its member offsets ascend inside the file, it ends with ``(size, total)``, and sample counts
+    never decrease."""
+    offsets, counts = members[:, 0], members[:, 1]
+    return bool(
+        offsets[0] == 0
+        and counts[0] == 0
+        and offsets[-2] <= offsets[-1] == size
+        and (np.diff(offsets[:-1]) > 0).all()
+        and (np.diff(counts) >= 0).all()
+    )
 
 
 class JsonlReader(ShardReader):
@@ -73,12 +91,12 @@ class JsonlReader(ShardReader):
         super().__init__(location, **options)
         self.max_request_bytes = max_request_bytes
 
-    def _count(self, name: str, size: int, fingerprint: str) -> int:
-        return len(self._lines(name, size, fingerprint))
+    def _count(self, name: str, size: int, version: str) -> int:
+        return len(self._lines(name, size, version))
 
-    def _lines(self, name: str, size: int | None = None, fingerprint: str | None = None) -> np.ndarray:
+    def _lines(self, name: str, size: int | None = None, version: str | None = None) -> np.ndarray:
         """``(samples, 2)`` uint64: each sample line's byte range ``[start, end)`` (no newline)."""
-        return self.cached_table(name, self._kind, "<u8", 2, self._scan, size, fingerprint, fits=_within)
+        return self.cached_table(name, self._kind, "<u8", 2, self._scan, size, version, fits=_within)
 
     def _scan(self, name: str, size: int) -> np.ndarray:
         """One pass over the file: the byte range of every non-empty line."""
@@ -164,8 +182,8 @@ class GzipJsonlReader(ShardReader):
         super().__init__(location, **options)
         self.max_skip = max_skip
 
-    def _count(self, name: str, size: int, fingerprint: str) -> int:
-        members = self._members(name, size, fingerprint)
+    def _count(self, name: str, size: int, version: str) -> int:
+        members = self._members(name, size, version)
         gaps = np.diff(members[:, 1])
         if gaps.size and int(gaps.max()) > self.max_skip:
             at = int(np.argmax(gaps))
@@ -177,10 +195,10 @@ class GzipJsonlReader(ShardReader):
             )
         return int(members[-1, 1])
 
-    def _members(self, name: str, size: int | None = None, fingerprint: str | None = None) -> np.ndarray:
+    def _members(self, name: str, size: int | None = None, version: str | None = None) -> np.ndarray:
         """``(points + 1, 2)`` int64: ``(compressed offset, samples before it)`` of each member that
         starts at a line start, then ``(file size, total samples)``."""
-        return self.cached_table(name, self._kind, "<i8", 2, self._scan, size, fingerprint, min_rows=2)
+        return self.cached_table(name, self._kind, "<i8", 2, self._scan, size, version, min_rows=2, fits=_members_fit)
 
     def _scan(self, name: str, size: int) -> np.ndarray:
         points: list[tuple[int, int]] = [(0, 0)]
@@ -212,6 +230,12 @@ class GzipJsonlReader(ShardReader):
                         if fed and not unzip.eof:
                             raise self.malformed(name, f"truncated gzip stream (ends inside a member at byte {pos})")
                         break
+                if not fed and pos > 0:  # zero bytes after a member are padding (Python's gzip skips them too)
+                    padded = data.lstrip(b"\0")
+                    pos += len(data) - len(padded)
+                    data = padded
+                    if not data:
+                        continue
                 try:
                     text = unzip.decompress(data)
                 except zlib.error as exc:

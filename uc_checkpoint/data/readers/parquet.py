@@ -1,5 +1,11 @@
 """Parquet files (pyarrow): a shard is one file, a sample one row (a dict of column to value).
 
+Damage: what pyarrow refuses (magic bytes, footer, pages), with the page checksums verified that the
+writer stored (pyarrow's ``page_checksum_verification``: parquet-java, Spark's writer, stores them by
+default, pyarrow with ``write_page_checksum=True``), row counts that disagree (the footer's total,
+its row groups', the rows a row group decodes to) and text that is not UTF-8 are a
+:class:`~uc_checkpoint.errors.DataFormatError` naming the file.
+
 Counting: the footer's ``num_rows`` (pyarrow reads the footer only: a ranged read of the file's
 tail on remote files). Seeking: the footer lists the row groups and their row counts, so row ``i``
 is found in its row group, which is read alone (only the asked ``columns``) and sliced; a range or a
@@ -35,8 +41,8 @@ class ParquetReader(ShardReader):
 
     Raises:
         ImportError: pyarrow is missing (one line naming the extra).
-        DataFormatError: a file is not Parquet (bad footer, truncated) or lacks a column; the
-            message names the file.
+        DataFormatError: a file is not Parquet (bad footer, truncated), is damaged (see the module
+            docs) or lacks a column; the message names the file.
     """
 
     suffixes = (".parquet",)
@@ -67,13 +73,17 @@ class ParquetReader(ShardReader):
             path = self.local_path(name)
             try:
                 source = str(path) if path is not None else self.open_file(name, size, buffer_size=64 << 10)
-                pf = pq.ParquetFile(source, memory_map=path is not None)
+                pf = pq.ParquetFile(source, memory_map=path is not None, page_checksum_verification=True)
             except (pa.ArrowException, OSError) as exc:
                 raise self.malformed(name, f"not a readable Parquet file: {exc}") from None
             meta = pf.metadata
             starts = [0]
             for g in range(meta.num_row_groups):
                 starts.append(starts[-1] + meta.row_group(g).num_rows)
+            if starts[-1] != meta.num_rows:
+                raise self.malformed(
+                    name, f"its footer says {meta.num_rows} rows, its row groups hold {starts[-1]} (damaged footer)"
+                )
             missing = [c for c in self.columns or () if c not in pf.schema_arrow.names]
             if missing:
                 raise self.malformed(name, f"has no column(s) {missing}; it has {pf.schema_arrow.names}")
@@ -81,7 +91,7 @@ class ParquetReader(ShardReader):
             self.cache[key] = found
         return found
 
-    def _count(self, name: str, size: int, fingerprint: str) -> int:
+    def _count(self, name: str, size: int, version: str) -> int:
         return self._parquet(name, size)[1][-1]
 
     def _row_group(self, name: str, group: int) -> list[dict[str, Any]]:
@@ -89,12 +99,17 @@ class ParquetReader(ShardReader):
         return self.recent("groups", (name, group), self.cached_row_groups, lambda: self._decode_group(name, group))
 
     def _decode_group(self, name: str, group: int) -> list[dict[str, Any]]:
-        pf, _ = self._parquet(name)
+        pf, starts = self._parquet(name)
         pa = require("pyarrow", "parquet")
         try:
             rows: list[dict[str, Any]] = pf.read_row_group(group, columns=self.columns).to_pylist()
-        except (pa.ArrowException, OSError) as exc:
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a damaged string column
             raise self.malformed(name, f"cannot read row group {group}: {exc}") from None
+        if len(rows) != starts[group + 1] - starts[group]:
+            raise self.malformed(
+                name,
+                f"row group {group} decoded to {len(rows)} rows, its footer says {starts[group + 1] - starts[group]}",
+            )
         return rows
 
     def _read_range(self, name: str, start: int, end: int) -> Iterator[dict[str, Any]]:

@@ -86,7 +86,7 @@ class TokenReader(ShardReader):
         """Tokens per sample: ``seq_len + 1``."""
         return self.seq_len + 1
 
-    def _count(self, name: str, size: int, fingerprint: str) -> int:
+    def _count(self, name: str, size: int, version: str) -> int:
         return self._layout(name, size).tokens // self.window
 
     def _layout(self, name: str, size: int | None = None) -> _Layout:
