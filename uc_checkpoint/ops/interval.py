@@ -30,7 +30,9 @@ ranks through the c10d store (``set``/``get``, not collectives): decision ``n`` 
 ``should_save`` call, at the first call after each save, and at a re-decision step (the first
 decision of a measured policy cannot know the step time yet: it times :data:`PROBE_STEPS` steps
 first). The other ranks read a decision at the same step rank 0 takes it, so they may wait there
-for rank 0 (never in a collective). Docs: docs/operating.md, "How often to save".
+for rank 0 (never in a collective), at most the manager's timeout: a rank 0 that does not decide
+by then (hung, stopped) is a :class:`~uc_checkpoint.errors.PeerTimeoutError` naming it. Docs:
+docs/operating.md, "How often to save".
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from uc_checkpoint.dcp import compat
+from uc_checkpoint.ops.ranks import hung_peer, timed_out
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +383,8 @@ class SaveSchedule:
         name: what tells this schedule's store keys from others' (the manager passes its root URL).
         group: the ranks that decide together (None: every rank, or a single process).
         clock: seconds, monotonic (rank 0's step timing).
+        timeout: the longest wait for rank 0's decision (read when a rank waits); None: the
+            store's own timeout.
 
     Not thread-safe: the training loop calls it, on every rank, at the same steps.
     """
@@ -389,6 +395,7 @@ class SaveSchedule:
         name: str,
         group: dist.ProcessGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
+        timeout: Callable[[], timedelta] | None = None,
     ) -> None:
         if not isinstance(policy, IntervalPolicy):
             raise TypeError(f"save_interval must be an interval policy (EverySteps, ...), got {type(policy).__name__}")
@@ -396,11 +403,13 @@ class SaveSchedule:
         self.name = name
         self.group = group
         self.clock = clock
+        self.timeout = timeout
         self._target: Decision | None = None
         self._decisions = 0
         self._anchor: int | None = None
         self._prefix: str | None = None
         self._store: Any = None
+        self._leader_rank: int | None = None  # rank 0 of the group, as a global rank
         # Rank 0's measurements: the window since its last decision (clock, step, save seconds).
         self._window: tuple[float, int, float] | None = None
         self._measured = Measured()
@@ -415,7 +424,7 @@ class SaveSchedule:
     def _key(self, n: int) -> str:
         if self._prefix is None:
             self._store = compat.default_store()
-            leader = dist.get_process_group_ranks(self.group or dist.group.WORLD)[0]
+            leader = self._leader_rank = dist.get_process_group_ranks(self.group or dist.group.WORLD)[0]
             base = f"uc_checkpoint/next_save/{self.name}/{leader}"
             # Each rank counts its own schedules of this root: ranks create them in the same order,
             # so the n-th one on every rank shares keys with the n-th one on the others.
@@ -431,6 +440,7 @@ class SaveSchedule:
         Raises:
             TypeError: ``step`` is not an int.
             ValueError: ``step`` is negative, or a store key holds something else than a decision.
+            PeerTimeoutError: rank 0 did not decide within the timeout (a rank other than 0).
         """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
@@ -490,8 +500,26 @@ class SaveSchedule:
             logger.debug("save schedule %s: decision %d at step %d: %s (%s)", self.policy, n, step, decision, measured)
         else:
             key = self._key(n)
-            decision = Decision.from_bytes(bytes(self._store.get(key)), key)
+            decision = Decision.from_bytes(self._wait_for_leader(key, step), key)
         self._target = decision
+
+    def _wait_for_leader(self, key: str, step: int) -> bytes:
+        """The value rank 0 sets under ``key``, waited for at most :attr:`timeout` (a store
+        ``wait``, then a ``get``).
+
+        Raises:
+            PeerTimeoutError: it was not set in time (rank 0 hung, stopped or unreachable).
+        """
+        timeout = self.timeout() if self.timeout is not None else self._store.timeout
+        started = time.monotonic()
+        try:
+            self._store.wait([key], timeout)
+            return bytes(self._store.get(key))
+        except RuntimeError as exc:
+            if not timed_out(exc):
+                raise
+            what = f"receive the decision whether to save at step {step} for {self.name} (should_save)"
+            raise hung_peer(what, f"rank {self._leader_rank}", timeout, exc, time.monotonic() - started) from exc
 
 
 __all__ = [

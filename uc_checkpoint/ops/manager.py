@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
+from datetime import timedelta
 from functools import partial
 from typing import Any, TypeVar
 
@@ -42,7 +43,7 @@ from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, record
 from uc_checkpoint.ops import catalog, inflight, lineage, retention
 from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo, checkpoint_name
 from uc_checkpoint.ops.interval import IntervalPolicy, SaveSchedule
-from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments
+from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments, check_timeout
 from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
 from uc_checkpoint.ops.ranks import RankGroup
 from uc_checkpoint.volumes import Volume, open_volume
@@ -106,6 +107,14 @@ class CheckpointManager:
             :class:`~uc_checkpoint.ops.interval.IntervalPolicy` (``EverySteps(n)``,
             ``EverySeconds(s)``, ``BlockedFraction(f)``, ``YoungDaly(mtbf_s=...)``, ...). None: the
             caller decides when to save.
+        timeout: seconds (or a ``timedelta``) the manager waits for another rank in its
+            collectives and store waits, in the training thread and in the save thread alike;
+            None: the job's, the default group's timeout as ``init_process_group(timeout=...)``
+            set it (also with a ``process_group`` made by ``new_group()``, which has torch's
+            default, not the job's). A rank whose peer hangs gets a
+            :class:`~uc_checkpoint.errors.PeerTimeoutError` after about this long, naming the
+            operation and the peer; the manager is unusable afterwards (docs/operating.md,
+            "A hung peer").
 
     MLflow: each save records the run it logs to (the active run, else ``MLFLOW_RUN_ID``) in the
     checkpoint's manifest; :attr:`resumed_mlflow_run_id` is the one of the checkpoint loaded (see
@@ -117,6 +126,15 @@ class CheckpointManager:
     :mod:`uc_checkpoint.errors`' hierarchy is a :class:`~uc_checkpoint.errors.RemoteRankError` on
     every rank. Not thread-safe: call it from the training loop, on every rank, in the same order
     (each call that agrees across ranks is a collective on the manager's own foreground group).
+
+    A peer that stops answering (hung, SIGSTOPped, its node frozen or partitioned) fails every
+    call that waits for it within about ``timeout``: the calls that agree across ranks
+    (:meth:`preemption_requested`, :meth:`latest`, :meth:`list`, :meth:`load`, :meth:`save`,
+    :meth:`should_save` with a measured policy) raise
+    :class:`~uc_checkpoint.errors.PeerTimeoutError`, and so does :meth:`wait` for a save whose
+    background collectives timed out (that save publishes nothing; its thread ends, so the process
+    can exit). After a collective timed out, every later collective of the manager raises it at
+    once (gloo has closed the groups' connections): the job should exit and be restarted.
     """
 
     def __init__(
@@ -138,6 +156,7 @@ class CheckpointManager:
         reader_options: ReaderOptions | Mapping[str, Any] | None = None,
         volume_options: dict[str, Any] | None = None,
         save_interval: IntervalPolicy | None = None,
+        timeout: float | timedelta | None = None,
     ) -> None:
         check_manager_arguments(
             root,
@@ -149,6 +168,7 @@ class CheckpointManager:
             reuse_staging_buffers=reuse_staging_buffers,
             list_attempts=list_attempts,
         )
+        checked_timeout = check_timeout(timeout)
         #: Settings of each save's writer and each load's reader, checked once here (a dict given is
         #: converted). To change them between saves, assign new ones:
         #: ``manager.writer_options = dataclasses.replace(manager.writer_options, upload_workers=2)``.
@@ -172,13 +192,17 @@ class CheckpointManager:
         #: The :class:`~uc_checkpoint.observability.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
-        self._ranks = RankGroup(process_group)
+        self._ranks = RankGroup(process_group, checked_timeout)
         # Lineage (see uc_checkpoint.ops.lineage): the step this manager loaded, whether its first save
         # checked for a rollback, and the steps known to be abandoned (rank 0).
         self._resumed_from: int | None = None
         self._lineage_checked = False
         self._abandoned: set[int] = set()
-        self._schedule = None if save_interval is None else SaveSchedule(save_interval, self.root.url, process_group)
+        self._schedule = (
+            None
+            if save_interval is None
+            else SaveSchedule(save_interval, self.root.url, process_group, timeout=self._ranks.timeout)
+        )
         #: The MLflow run id the checkpoint last loaded recorded (None: none, or nothing loaded).
         self.resumed_mlflow_run_id: str | None = None
 
@@ -385,16 +409,22 @@ class CheckpointManager:
             mlflow_run_id=run_id,
             **self.writer_options.as_kwargs(),
         )
+        if asynchronous and self.async_mode == "process" and self._ranks.distributed():
+            writer.process_group_timeout = self._ranks.timeout()  # DCP's checkpoint process's own group
         group = self._ranks.save_group()
         pending = inflight.PendingSave(step, location.url, leader, run_id, asynchronous)  # starts the clock
         try:
-            fut, staging = inflight.start_dcp_save(
-                state_dict,
-                writer,
-                group,
-                asynchronous=asynchronous,
-                async_mode=self.async_mode,
-                async_staging=self.async_staging,
+            fut, staging = self._ranks.collective(
+                f"save step {step} to {location.url}",
+                partial(
+                    inflight.start_dcp_save,
+                    state_dict,
+                    writer,
+                    group,
+                    asynchronous=asynchronous,
+                    async_mode=self.async_mode,
+                    async_staging=self.async_staging,
+                ),
             )
         except BaseException as exc:
             self._record(SaveEvent(step, location.url, pending.elapsed_s(), error=one_line(exc)), pending)
@@ -409,7 +439,17 @@ class CheckpointManager:
 
     def _on_saved(self, pending: inflight.PendingSave, fut: Future) -> None:
         """DCP's future ``fut`` completed: record the save, run rank 0's housekeeping, then complete
-        the caller's future (so that :meth:`wait` covers the housekeeping too)."""
+        the caller's future (so that :meth:`wait` covers the housekeeping too). A peer's timeout
+        in the save's collectives completes it with a :class:`PeerTimeoutError` instead."""
+        error = None if fut.cancelled() else fut.exception()
+        peer = (
+            None
+            if error is None
+            else self._ranks.peer_timeout(f"save step {pending.step} to {pending.location}", error, pending.elapsed_s())
+        )
+        if peer is not None:
+            fut = Future()
+            fut.set_exception(peer)
         try:
             self._record(inflight.save_event(pending, fut), pending)
         except Exception:  # noqa: BLE001 - a record must never leave wait() blocked
@@ -450,6 +490,7 @@ class CheckpointManager:
 
         Raises:
             CheckpointException (DCP's, a ``BaseException``) with our errors inside: the save failed.
+            PeerTimeoutError: a peer did not take part in the save's collectives within ``timeout``.
         """
         self.wait_until_staged()
         inflight, self._inflight = self._inflight, None
@@ -568,10 +609,17 @@ class CheckpointManager:
     def preemption_requested(self) -> bool:
         """Whether any rank received a preemption signal. With several ranks this is a collective
         (an all-reduce over the group): every rank must call it at the same step, and all get the
-        same answer, so that they stop and save together."""
+        same answer, so that they stop and save together.
+
+        Raises:
+            PeerTimeoutError: a peer did not take part within ``timeout`` (see the class docstring).
+        """
         if not self._ranks.distributed():
             return self._preemption.received
-        return any_rank(self._preemption.received, self._ranks.agree_group())
+        return self._ranks.collective(
+            f"agree on preemption under {self.root.url}",
+            lambda: any_rank(self._preemption.received, self._ranks.agree_group()),
+        )
 
     def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
         """The last checkpoint before a preemption: wait for the save in flight, then save ``step``
@@ -676,7 +724,10 @@ class CheckpointManager:
                 f"no published checkpoint at step {step}: {location.url_of(METADATA_NAME)} does not exist"
             )
         reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options.as_kwargs())
-        dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group())
+        self._ranks.collective(
+            f"load step {step} from {location.url}",
+            lambda: dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group()),
+        )
         self._resumed_from = step
         self.resumed_mlflow_run_id = recorded_mlflow_run_id(reader.last_manifest)
         if self._schedule is not None:

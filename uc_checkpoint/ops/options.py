@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
 from uc_checkpoint.engine.ranges import DEFAULT_CHUNK_BYTES, DEFAULT_GAP_BYTES, MIN_CHUNK_BYTES
@@ -246,4 +248,25 @@ def check_manager_arguments(
         raise ValueError(f"list_attempts must be >= 1, got {list_attempts}")
 
 
-__all__ = ["check_manager_arguments", "ReaderOptions", "WriterOptions"]
+def check_timeout(timeout: object) -> timedelta | None:
+    """``CheckpointManager(timeout=...)`` as a ``timedelta``: seconds (an int or float) or a
+    ``timedelta``, finite and > 0; None stays None (the process group's timeout applies).
+
+    Raises:
+        TypeError: ``timeout`` is neither (a bool is not a number of seconds).
+        ValueError: it is zero, negative, NaN or infinite.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    return timedelta(seconds=seconds)
+
+
+__all__ = ["check_manager_arguments", "check_timeout", "ReaderOptions", "WriterOptions"]

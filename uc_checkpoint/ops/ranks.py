@@ -1,17 +1,58 @@
 """How the ranks of a :class:`~uc_checkpoint.ops.manager.CheckpointManager` agree: rank 0 decides,
-every rank gets its answer or its error, on gloo groups of the manager's own (:class:`RankGroup`).
+every rank gets its answer or its error, on gloo groups of the manager's own (:class:`RankGroup`),
+and a peer that stops answering fails the call within the job's timeout (:func:`hung_peer`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from uc_checkpoint.errors import RemoteRankError, portable_error, rebuild_error
+from uc_checkpoint.dcp import compat
+from uc_checkpoint.errors import PeerTimeoutError, RemoteRankError, portable_error, rank_error, rebuild_error
 
 T = TypeVar("T")
+
+#: What gloo and the c10d store say when a peer did not answer in time (torch 2.13: "Timed out
+#: waiting 3000ms for recv operation to complete", "Application timeout caused pair closure",
+#: "wait timeout after 3000ms, keys: ..."). Matched lowercase, in RuntimeErrors only.
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's or store wait's timeout (a torch ``RuntimeError``, its
+    ``DistError`` subclasses included, whose message says so), itself or as the first failing
+    rank's error in DCP's ``CheckpointException``."""
+    for error in (exc, rank_error(exc)):
+        if isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _TIMEOUT_WORDS):
+            return True
+    return False
+
+
+def hung_peer(what: str, peers: str, timeout: timedelta, cause: BaseException, waited_s: float) -> PeerTimeoutError:
+    """The error of a rank whose ``peers`` (e.g. ``"rank 1"``) did not take part in ``what`` (the
+    operation, e.g. ``"agree on preemption under s3://..."``) within ``timeout``; ``cause`` is
+    torch's error, ``waited_s`` the seconds this rank waited."""
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return PeerTimeoutError(
+        f"rank {me}: cannot {what}: {peers} did not take part within the timeout of "
+        f"{timeout.total_seconds():g} s (waited {waited_s:.1f} s); it is hung, stopped or unreachable. "
+        f"Exit and restart the job (nothing of an unfinished save is published). "
+        f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    )
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """``"rank 3"`` or ``"one of ranks 1, 2, 3"`` (the first 8 named, then a count)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return f"one of ranks {shown}{more}"
 
 
 class RankGroup:
@@ -28,11 +69,28 @@ class RankGroup:
     another. ``use_local_synchronization`` keeps ranks outside the group out of the call and leaves
     the default group's counter of group names alone, so the caller's own ``new_group`` calls stay
     in step on every rank.
+
+    Both groups are created with :meth:`timeout` (``new_group`` would give them torch's 30-minute
+    gloo default whatever the job set), so every collective on them, DCP's in the save thread
+    included, fails once a peer has not answered for that long. :meth:`collective` turns that
+    failure into a :class:`~uc_checkpoint.errors.PeerTimeoutError` naming the operation and the
+    peer; after one, the groups are unusable (gloo closes the pairs) and every later collective of
+    this object raises at once.
+
+    Args:
+        process_group: the caller's group (None: every rank).
+        timeout: the longest wait for a peer; None: the default group's timeout (what
+            ``init_process_group(timeout=...)`` set, the job's), read at first use. Not
+            ``process_group``'s: a group made with ``new_group()`` has torch's default, not the
+            job's.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None, timeout: timedelta | None = None) -> None:
         self.process_group = process_group
+        self._timeout = timeout
         self._pair: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (save, agree)
+        # The first peer timeout of these groups, raised again by every later collective.
+        self._failure: PeerTimeoutError | None = None
 
     def distributed(self) -> bool:
         """Whether more than one rank takes part (else every call is local)."""
@@ -42,6 +100,22 @@ class RankGroup:
         """Rank 0 of the group, or the only process."""
         return not self.distributed() or dist.get_rank(self.process_group) == 0
 
+    def timeout(self) -> timedelta:
+        """The longest wait for a peer in the manager's collectives and store waits: the one given,
+        else the default group's (:func:`uc_checkpoint.dcp.compat.default_group_timeout`), read once.
+
+        Raises:
+            ValueError (torch's): no timeout was given and no process group is initialised.
+        """
+        if self._timeout is None:
+            self._timeout = compat.default_group_timeout()
+        return self._timeout
+
+    def peers(self) -> list[int]:
+        """The global ranks of the group other than this one."""
+        me = dist.get_rank()
+        return [r for r in dist.get_process_group_ranks(self.process_group or dist.group.WORLD) if r != me]
+
     def _groups(self, index: int) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -49,10 +123,22 @@ class RankGroup:
             return self.process_group
         if self._pair is None:
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._pair = (
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_save"),
-                dist.new_group(ranks, backend="gloo", use_local_synchronization=True, group_desc="uc_checkpoint_agree"),
-            )
+            timeout = self.timeout()
+
+            def create(desc: str) -> dist.ProcessGroup:
+                return self.collective(
+                    f"set up the checkpoint manager's {desc} group",
+                    lambda: dist.new_group(
+                        ranks,
+                        timeout=timeout,
+                        backend="gloo",
+                        use_local_synchronization=True,
+                        group_desc=f"uc_checkpoint_{desc}",
+                    ),
+                )
+
+            self._pair = (create("save"), create("agree"))
+        assert self._pair is not None
         return self._pair[index]
 
     def save_group(self) -> dist.ProcessGroup | None:
@@ -62,6 +148,38 @@ class RankGroup:
     def agree_group(self) -> dist.ProcessGroup | None:
         """Group for collectives the training thread issues (agreement, loads)."""
         return self._groups(1)
+
+    def collective(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``: collectives on this object's groups (DCP's ``load`` or ``save`` on one
+        included), with a peer's timeout raised as :class:`PeerTimeoutError` (see
+        :meth:`peer_timeout`; ``what`` names the operation). Other errors of ``fn`` pass as they are.
+
+        Raises:
+            PeerTimeoutError: a peer did not take part within :meth:`timeout`, now or in an earlier
+                collective of these groups.
+        """
+        if self._failure is not None:
+            raise PeerTimeoutError(f"cannot {what}: the ranks lost contact earlier: {self._failure}")
+        started = time.monotonic()
+        try:
+            return fn()
+        except BaseException as exc:
+            error = self.peer_timeout(what, exc, time.monotonic() - started)
+            if error is None:
+                raise
+            raise error from exc
+
+    def peer_timeout(self, what: str, exc: BaseException, waited_s: float) -> PeerTimeoutError | None:
+        """The :class:`PeerTimeoutError` of ``exc`` when it is a collective's timeout
+        (:func:`timed_out`) on these groups, naming ``what`` and the peer (the other rank of a group
+        of two); None for any other error. The first one is kept: every later :meth:`collective`
+        raises it again (callable from any thread)."""
+        if not (self.distributed() and timed_out(exc)):
+            return None
+        error = hung_peer(what, describe_ranks(self.peers()), self.timeout(), exc, waited_s)
+        if self._failure is None:
+            self._failure = error
+        return error
 
     def on_leader(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 of the group and hand its result, or its failure, to every rank
@@ -85,7 +203,7 @@ class RankGroup:
                 kind = type(exc).__qualname__
                 kind = kind if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{kind}"
                 box[0] = ("error", (portable_error(exc), kind, str(exc)))
-        dist.broadcast_object_list(box, group=self.agree_group(), group_src=0)
+        self.collective(what, lambda: dist.broadcast_object_list(box, group=self.agree_group(), group_src=0))
         status, value = box[0]
         if status == "ok":
             return value
@@ -98,4 +216,4 @@ class RankGroup:
         raise rebuild_error(*portable) from remote
 
 
-__all__ = ["RankGroup"]
+__all__ = ["RankGroup", "describe_ranks", "hung_peer", "timed_out"]
