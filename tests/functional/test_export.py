@@ -290,6 +290,33 @@ def test_destination_reaching_the_checkpoint_through_a_symlink_is_refused(tmp_pa
     assert sorted(p.name for p in run.iterdir()) == [ckpt.name]
 
 
+def test_destination_reaching_the_checkpoint_through_a_bind_mount_is_refused(tmp_path: Path, staging: Path) -> None:
+    """A second mount of the run's directory (``mount --bind``, as a FUSE or NFS path beside the
+    local one would be) has real paths of its own: the device and inode numbers tell."""
+    run = tmp_path / "run"
+    ckpt = run / "step_00000007"
+    one_tensor_checkpoint(ckpt)
+    before = sorted((p.name, p.stat().st_size) for p in ckpt.iterdir())
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "--bind", str(run), str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {proc.stderr.strip()}")
+    try:
+        cases = {
+            mnt / ckpt.name / "served": "is the checkpoint .* or inside it, reached through another mount",
+            mnt / ckpt.name: "is the checkpoint .* or inside it, reached through another mount",
+            mnt: "is inside the export destination .* reached through another mount",
+        }
+        for dest, refusal in cases.items():
+            with pytest.raises(VolumeError, match=refusal):
+                export_checkpoint(ckpt, dest, format="torch")
+        assert sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()) == before
+        assert sorted(p.name for p in run.iterdir()) == [ckpt.name]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
 def test_summary_counts_in_the_singular(tmp_path: Path, staging: Path) -> None:
     ckpt = tmp_path / "ckpt"
     one_tensor_checkpoint(ckpt)

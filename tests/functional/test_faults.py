@@ -24,12 +24,17 @@ def state(seed: int, mib: int = 4) -> dict:
     return {"w": torch.randn(mib * (1 << 18), generator=g), "meta": {"seed": seed}}
 
 
-@pytest.fixture
-def tiny_staging(tmp_path: Path):
-    """A 1 MiB tmpfs used as the staging root (needs root, as the tests' FUSE mounts do)."""
+@pytest.fixture(params=["1m", "8m"])
+def tiny_staging(tmp_path: Path, request: pytest.FixtureRequest):
+    """A small tmpfs used as the staging root (needs root, as the tests' FUSE mounts do): 1 MiB,
+    full at once; 8 MiB, which the save fills part way, so that megabytes are free again once the
+    write that failed is cleaned up."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    size = request.param
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
@@ -42,8 +47,9 @@ def test_staging_disk_full(tmp_path: Path, tiny_staging: Path, staging: Path) ->
     dest = tmp_path / "ckpt"
     dcp.save(state(1), storage_writer=UCVolumeWriter(dest))  # the previous good checkpoint (normal staging)
     before = sorted(p.name for p in dest.iterdir())
+    big = {**state(2), **{f"more{i}": torch.randn(3 << 18) for i in range(4)}}  # 16 MiB in 3-4 MiB files
     with pytest.raises(CheckpointException) as exc:
-        dcp.save(state(2), storage_writer=UCVolumeWriter(dest, staging_dir=tiny_staging))
+        dcp.save(big, storage_writer=UCVolumeWriter(dest, staging_dir=tiny_staging, file_size_bytes=3 << 20))
     ours = [e for e in causes(exc.value) if isinstance(e, StagingError)]
     assert ours, [repr(e) for e in causes(exc.value)]
     assert "is full" in str(ours[0]) and str(tiny_staging) in str(ours[0]), str(ours[0])  # what and where

@@ -127,8 +127,11 @@ def test_a_hung_rank_fails_each_agreement_and_a_save_in_flight(job: Job) -> None
     assert got["again"]["error"] == "PeerTimeoutError", got["again"]
     assert "cannot agree on preemption" in got["again"]["message"], got["again"]
     assert "lost contact earlier: rank 0: cannot save step 2" in got["again"]["message"], got["again"]
+    # A preemption's final save behind a save in flight raises the peer's timeout (not a skip).
+    assert_peer_timeout(got["final"], "save step 2 to", 1, logs)
+    assert not (job.workdir / "root-final" / "step_00000003" / ".metadata").exists()
     # The saves in flight published nothing; step 1, saved before, stays published.
-    for op in ("save", "exit"):
+    for op in ("save", "final", "exit"):
         assert not (job.workdir / f"root-{op}" / "step_00000002" / ".metadata").exists()
         assert (job.workdir / f"root-{op}" / "step_00000001" / ".metadata").exists()
 

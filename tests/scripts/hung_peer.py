@@ -22,6 +22,8 @@ decision handed over. Operations:
   last one the survivor (not rank 0) waits for in the store;
 - ``save``: an async ``save(2)`` whose background collectives wait for the victim, then ``wait()``;
 - ``again``: ``preemption_requested()`` of the manager whose save timed out (no manager of its own);
+- ``final``: an async ``save(2)`` whose background collectives wait for the victim, then
+  ``save_final(3)`` (a preemption's last save), which must raise, not skip or hang;
 - ``exit``: an async ``save(2)`` in flight, then ``preemption_requested()``, its error not caught:
   the process must exit.
 
@@ -54,7 +56,7 @@ warnings.filterwarnings("ignore")
 
 #: name -> (group timeout s, manager timeout s or None, victim rank, survivor's operations)
 SCENARIOS: dict[str, tuple[float, float | None, int, list[str]]] = {
-    "rank": (3.0, None, 1, ["load", "preemption", "latest", "save", "again", "exit"]),
+    "rank": (3.0, None, 1, ["load", "preemption", "latest", "save", "again", "final", "exit"]),
     "manager-timeout": (120.0, 3.0, 0, ["should_save", "latest", "preemption"]),
     "node": (3.0, None, 1, ["exit"]),
     "process": (3.0, None, 1, ["save", "exit"]),  # async_mode="process"
@@ -142,6 +144,9 @@ def main() -> int:
         elif op == "save":
             m.save(2, state(2))
             timed(workdir, op, m.wait)
+        elif op == "final":
+            m.save(2, state(2))
+            timed(workdir, op, partial(m.save_final, 3, state(3)))
         elif op == "exit":
             m.save(2, state(2))
             record(workdir, op=op, started=time.time())

@@ -94,6 +94,21 @@ def test_a_by_name_metadata_decodes_as_the_by_value_one(
         assert peeked.referenced
 
 
+def test_protocol_2_spells_getattr_as_python_2_did(tmp_path: Path, staging: Path) -> None:
+    """Protocol 2 names ``__builtin__.getattr``; a stock checkpoint's metadata pickled so loads.
+    (Protocols 0 and 1 rebuild objects through ``copy_reg``, refused by value and by name alike.)"""
+    protocol = 2
+    dest = tmp_path / "ckpt"
+    dcp.save(rich_state_dict(), storage_writer=FileSystemWriter(dest), no_dist=True)
+    original = load_metadata((dest / ".metadata").read_bytes(), "m")
+    payload = by_name_payload(original, protocol)
+    assert b"__builtin__" in payload
+    assert_agree(payload)
+    assert memory_formats(load_metadata(payload, WHERE)) == memory_formats(original)
+    refused = by_name_payload(_Lookup(Metadata, "__init__"), protocol)
+    assert "refusing to unpickle builtins.getattr" in str(assert_same_refusal(refused))
+
+
 @pytest.mark.parametrize("writer", ["ours", "stock"])
 def test_a_checkpoint_whose_metadata_names_enums_by_name_loads(writer: str, tmp_path: Path, staging: Path) -> None:
     """The whole path: a real checkpoint's ``.metadata`` rewritten in the by-name form, then

@@ -63,3 +63,32 @@ def test_save_final_is_synchronous_without_touching_async_save(
     assert manager.async_save is True
     assert manager.last_save is not None and manager.last_save.step == 2 and manager.last_save.ok
     assert manager.latest() == 2
+
+
+def test_save_final_supersedes_a_save_in_flight_that_failed(
+    tmp_path: Path, staging: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP fails a save with CheckpointException, a BaseException: the final save must still be
+    taken, and it is the one that loads. An EIO from a mount cannot be caused here, so the first
+    upload is made to fail as a dropped mount fails it."""
+    from uc_checkpoint.errors import TransferError
+    from uc_checkpoint.volumes import LocalVolume
+
+    upload = LocalVolume.upload_file
+    calls = {"n": 0}
+
+    def first_fails(self: LocalVolume, local_path: Path, name: str, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TransferError(f"copying {local_path} to {self.url_of(name)} failed: injected EIO")
+        return upload(self, local_path, name, **kwargs)
+
+    monkeypatch.setattr(LocalVolume, "upload_file", first_fails)
+    manager = CheckpointManager(str(tmp_path / "run"), async_save=True)
+    manager.save(1, {"w": torch.ones(4)})
+    assert manager.save_final(2, {"w": torch.full((4,), 2.0)}) is True
+    assert calls["n"] >= 2
+    assert manager.latest() == 2
+    out = {"w": torch.zeros(4)}
+    assert manager.load(out) == 2 and torch.equal(out["w"], torch.full((4,), 2.0))
+    assert [info.step for info in manager.list() if info.published] == [2]

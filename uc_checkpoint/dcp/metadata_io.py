@@ -35,7 +35,7 @@ from uc_checkpoint.format import layout
 from uc_checkpoint.format import manifest as manifest_format
 from uc_checkpoint.format.metadata_peek import (
     ALLOWED_GLOBALS,
-    GETATTR_GLOBAL,
+    GETATTR_GLOBALS,
     TRAILER_PREFIX,
     check_manifest,
     check_storage_entry,
@@ -110,7 +110,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._before: dict[int, tuple[str, Any, dict[str, Any]]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == GETATTR_GLOBAL:
+        if (module, name) in GETATTR_GLOBALS:
             return _EnumLookup(self._where)
         if not is_allowed_global(module, name):
             raise unsafe_global(module, name, self._where)

@@ -10,6 +10,7 @@ directory is removed, once and in that order.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import time
@@ -20,11 +21,15 @@ from typing import NamedTuple
 
 from uc_checkpoint.engine.staging_dir import STAGING_HINT, create_staging_dir
 from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
-from uc_checkpoint.errors import StagingError, TransferError
+from uc_checkpoint.errors import StagingError, TransferError, UCCheckpointError
 from uc_checkpoint.observability import TransferRecord
 from uc_checkpoint.volumes import FileRecord, Volume
 
 logger = logging.getLogger(__name__)
+
+
+#: ``errno`` values of a write that found its disk (or the user's quota) full.
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class _StagingProbe(NamedTuple):
@@ -164,15 +169,20 @@ class UploadSession:
         self._probe = _StagingProbe(False, usage.free, usage.total)
 
     def _staging_problem(self, exc: BaseException) -> str | None:
-        """A staging-disk cause behind a failed save, in words, or None. (An ENOSPC alone is not
-        enough: it may come from the volume, which has its own error message.)"""
+        """A staging-disk cause behind a failed save, in words, or None: the directory vanished,
+        the disk is (nearly) full, or the save failed with a bare ENOSPC/EDQUOT ``OSError``. The
+        volume's own failures, disk full included, arrive wrapped in our errors and are left to
+        their own messages; a bare one comes from writing the staging files."""
         probe = self._probe
         if probe is None:
             return None
         if probe.gone:
             return f"the staging directory {self.staging} disappeared during the save"
+        free = "" if probe.free is None else f" ({probe.free} bytes free of {probe.total} after the failure)"
         if probe.free is not None and probe.free < (1 << 20):
-            return f"the staging directory {self.staging} is full ({probe.free} bytes free of {probe.total}): {exc!r}"
+            return f"the staging directory {self.staging} is full{free}: {exc!r}"
+        if isinstance(exc, OSError) and not isinstance(exc, UCCheckpointError) and exc.errno in _DISK_FULL:
+            return f"the staging directory {self.staging} is full{free}: {exc!r}"
         return None
 
 

@@ -80,7 +80,7 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 #: them. Python 3.11's first releases (3.11.2, Debian 12's, among them) pickle an enum member by name,
 #: as ``getattr(EnumClass, "NAME")``; later releases pickle it by value (``EnumClass(value)``). So
 #: ``builtins.getattr`` is accepted in exactly that form: its first argument one of these classes,
-#: its second one of that class's member names (:data:`GETATTR_GLOBAL`). A test checks these names
+#: its second one of that class's member names (:data:`GETATTR_GLOBALS`). A test checks these names
 #: agree with torch's enums.
 ENUM_MEMBERS: dict[tuple[str, str], frozenset[str]] = {
     key: frozenset({"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"})
@@ -91,8 +91,9 @@ ENUM_MEMBERS: dict[tuple[str, str], frozenset[str]] = {
 }
 
 #: ``(module, name)`` of ``getattr``, which a ``.metadata`` pickle may name only to look up an enum
-#: member by name (:data:`ENUM_MEMBERS`).
-GETATTR_GLOBAL = ("builtins", "getattr")
+#: member by name (:data:`ENUM_MEMBERS`): ``builtins``, or ``__builtin__`` as pickle protocols 0 to
+#: 2 spell it (Python 3 writes Python 2's module names there).
+GETATTR_GLOBALS = frozenset({("builtins", "getattr"), ("__builtin__", "getattr")})
 
 
 def enum_member_error(owner: object, name: object, where: str) -> UnsafeMetadataError | None:
@@ -439,7 +440,7 @@ class _InertUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         # No persistent_load: pickle refuses persistent ids, as for the real decoder.
         key = (module, name)
-        if key == GETATTR_GLOBAL:
+        if key in GETATTR_GLOBALS:
             return _InertEnumLookup(self._where)
         if key not in ALLOWED_GLOBALS and not (module == "torch" and name in TORCH_DTYPE_NAMES):
             raise unsafe_global(module, name, self._where)

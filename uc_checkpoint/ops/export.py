@@ -331,6 +331,36 @@ def _check_apart(checkpoint: Volume, dest: Volume) -> None:
             f"the checkpoint {checkpoint.url} is inside the export destination {dest.url}{resolved}: "
             "choose a location that does not hold the checkpoint"
         )
+    if isinstance(checkpoint, LocalVolume) and isinstance(dest, LocalVolume):
+        # A second mount of the same directory (mount --bind, a NFS path beside the local one) has
+        # other real paths but the same device and inode numbers.
+        if _within_by_identity(Path(dest_at), Path(ckpt_at)):
+            raise VolumeError(
+                f"export destination {dest.url} is the checkpoint {checkpoint.url} or inside it, reached "
+                "through another mount of the same directory: choose a location outside it"
+            )
+        if _within_by_identity(Path(ckpt_at), Path(dest_at)):
+            raise VolumeError(
+                f"the checkpoint {checkpoint.url} is inside the export destination {dest.url}, reached "
+                "through another mount of the same directory: choose a location that does not hold it"
+            )
+
+
+def _within_by_identity(path: Path, container: Path) -> bool:
+    """Whether ``path`` (or its nearest existing ancestor) is ``container`` or lies under it, by
+    device and inode numbers, which a bind mount or a second mount of one directory keeps."""
+    try:
+        target = os.stat(container)
+    except OSError:
+        return False
+    for at in (path, *path.parents):
+        try:
+            st = os.stat(at)
+        except OSError:
+            continue  # not created yet: its ancestors decide
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
 
 
 def export_checkpoint(

@@ -24,7 +24,6 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from datetime import timedelta
 from functools import partial
@@ -37,7 +36,7 @@ from uc_checkpoint.dcp import metadata_io
 from uc_checkpoint.dcp.buffers import StagingBuffers
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
-from uc_checkpoint.errors import CheckpointNotFoundError, TransferError, VolumeError, one_line
+from uc_checkpoint.errors import CheckpointNotFoundError, PeerTimeoutError, TransferError, VolumeError, one_line
 from uc_checkpoint.format.layout import METADATA_NAME
 from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, recorded_mlflow_run_id
 from uc_checkpoint.ops import catalog, inflight, lineage, retention
@@ -630,18 +629,24 @@ class CheckpointManager:
         save in flight may still land. A final save that itself runs past the budget is logged;
         DCP cannot abandon a save midway, and stopping one would only leave an unpublished location.
 
+        A save in flight that failed is logged and superseded by the final save (on every rank:
+        DCP gives each the same outcome).
+
         Raises:
             CheckpointException (DCP's): the final save failed.
+            PeerTimeoutError: a peer did not take part in the save in flight or the final save
+                within ``timeout`` (no save can be agreed on then).
         """
         deadline = time.monotonic() + budget_s
         self.wait_until_staged()  # a copy is a few seconds at most; the state is needed right after
         inflight, self._inflight = self._inflight, None
         landed = False
         if inflight is not None:
-            try:
-                inflight[1].result(timeout=max(0.0, deadline - time.monotonic()))
-                landed = True
-            except FutureTimeout:
+            # Told apart by futures_wait, not by the exception result() raises: DCP's
+            # CheckpointException is a BaseException, and PeerTimeoutError is a TimeoutError,
+            # which is what result() raises when the wait runs out.
+            done, _ = futures_wait([inflight[1]], timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
                 self._inflight = inflight
                 logger.error(
                     "checkpoint manager: the save of step %d did not finish within %.0f s; no final save",
@@ -649,9 +654,16 @@ class CheckpointManager:
                     budget_s,
                 )
                 return False
-            except Exception as exc:  # noqa: BLE001 - the final save below supersedes it
+            failure = inflight[1].exception()
+            if isinstance(failure, PeerTimeoutError):
+                raise failure  # the ranks lost contact: no save can agree now
+            if failure is None:
+                landed = True
+            else:  # the final save below supersedes it
                 logger.warning(
-                    "checkpoint manager: the save of step %d failed (%s); taking the final save", inflight[0], exc
+                    "checkpoint manager: the save of step %d failed (%s); taking the final save",
+                    inflight[0],
+                    one_line(failure),
                 )
         if landed and inflight is not None and inflight[0] == step:
             return True  # this step is already saved

@@ -35,6 +35,7 @@ import json
 import logging
 import mmap
 import os
+import stat
 import tempfile
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -122,18 +123,52 @@ class IndexCache:
 
     def __init__(self, index_dir: str | os.PathLike[str] | None = None) -> None:
         self.index_dir = Path(index_dir) if index_dir is not None else None
+        self._checked: dict[Path, bool] = {}  # default index directory -> whether it is private
 
-    def path_for(self, volume: Volume, name: str) -> Path:
-        """Where the index of ``name`` is kept (see the class docs)."""
+    def path_for(self, volume: Volume, name: str) -> Path | None:
+        """Where the index of ``name`` is kept (see the class docs); None when the default
+        directory is not this user's own (:meth:`_private`): no index is then kept or read."""
         if isinstance(volume, LocalVolume):
             data = volume.root / name
             if os.access(data.parent, os.W_OK | os.X_OK):
                 return data.with_name(data.name + INDEX_SUFFIX)
-        # Per user, as staging is: a directory another user created first is not writable here.
-        root = self.index_dir or default_staging_root() / f"uc-checkpoint-data-index-{os.geteuid()}"
+        root = self.index_dir
+        if root is None:
+            root = default_staging_root() / f"uc-checkpoint-data-index-{os.geteuid()}"
+            if not self._private(root):
+                return None
         url = volume.url_of(name)
         digest = hashlib.sha256(url.encode()).hexdigest()[:16]
         return root / f"{digest}-{name.rsplit('/', 1)[-1]}{INDEX_SUFFIX}"
+
+    def _private(self, root: Path) -> bool:
+        """Whether the default index directory ``root`` is this user's alone (created mode 0700
+        when missing). One that is a symbolic link, belongs to another user or is writable by
+        others is not used: whoever can write there could hand this process an index that skips
+        samples (its checksum is no secret). Logged once per cache."""
+        if root in self._checked:
+            return self._checked[root]
+        why = None
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.lstat(root)
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                why = "it is not a plain directory"
+            elif st.st_uid != os.geteuid():
+                why = f"it belongs to uid {st.st_uid}"
+            elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                why = f"others can write to it (mode {stat.S_IMODE(st.st_mode):04o})"
+        except OSError as exc:
+            why = str(exc)
+        if why is not None:
+            logger.warning(
+                "not keeping data indexes in %s: %s; indexes are rebuilt at every start (pass index_dir= "
+                "to the reader, or set UC_CHECKPOINT_STAGING_DIR, to keep them elsewhere)",
+                root,
+                why,
+            )
+        self._checked[root] = why is None
+        return why is None
 
     def load(self, volume: Volume, name: str, kind: str, version: str) -> bytes | None:
         """The cached index payload of ``name`` when it was built for this version of the file
@@ -141,6 +176,8 @@ class IndexCache:
         if not version:
             return None
         path = self.path_for(volume, name)
+        if path is None:
+            return None
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -171,6 +208,8 @@ class IndexCache:
         if not version:
             return
         path = self.path_for(volume, name)
+        if path is None:
+            return
         meta = {
             "kind": kind,
             "source": volume.url_of(name),
