@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.conftest import cause, causes, make_state_dict
+from tests.support.tmpfs import mounted_tmpfs
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.errors import StagingError, VolumeError
 
@@ -29,18 +30,8 @@ def tiny_staging(tmp_path: Path, request: pytest.FixtureRequest):
     """A small tmpfs used as the staging root (needs root, as the tests' FUSE mounts do): 1 MiB,
     full at once; 8 MiB, which the save fills part way, so that megabytes are free again once the
     write that failed is cleaned up."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    size = request.param
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", request.param) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_staging_disk_full(tmp_path: Path, tiny_staging: Path, staging: Path) -> None:

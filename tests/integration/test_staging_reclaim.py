@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import REPO, SCRIPTS, causes, wait_for
+from tests.support.tmpfs import mounted_tmpfs
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.engine.staging_dir import OWNER_SUFFIX, OwnerRecord, tree_bytes
 
@@ -132,15 +133,8 @@ def reclaim_lines(text: str) -> list[str]:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 40 MiB tmpfs (root only)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a 40 MiB tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "40m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_killed_saves_staging_is_reclaimed_by_the_next_load_and_save(

@@ -158,7 +158,7 @@ def test_the_manager_and_ls_agree_with_the_catalog(root: Volume, caplog) -> None
     with caplog.at_level(logging.INFO):
         assert manager.latest() == 1
     assert "step_00000004" in caplog.text and "step_00000003" in caplog.text
-    assert manager._abandoned == {2}
+    assert manager._view.abandoned == {2}
     assert [(i.step, i.published) for i in manager.list()] == [(1, True), (2, True), (3, True), (4, True), (5, False)]
     summary = list_root(root)
     assert [(s.step, s.state) for s in summary] == [(i.step, i.state) for i in scan(root)]

@@ -10,7 +10,9 @@ The policies the manager applies live in modules of their own: which checkpoints
 deletes (:mod:`uc_checkpoint.ops.retention`), the preemption flag
 (:mod:`uc_checkpoint.ops.preemption`), the writer's and reader's settings
 (:mod:`uc_checkpoint.ops.options`), rollbacks (:mod:`uc_checkpoint.ops.lineage`), how the ranks
-agree (:mod:`uc_checkpoint.ops.ranks`) and how often to save (:mod:`uc_checkpoint.ops.interval`).
+agree (:mod:`uc_checkpoint.ops.ranks`), how often to save (:mod:`uc_checkpoint.ops.interval`) and
+what the root holds: its listing, intact checkpoints, retention's deletes
+(:mod:`uc_checkpoint.ops.root_view`).
 What stays here is the order of those calls around a save: the rollback check before the first
 one, the record, pointer and retention after each (the save in flight:
 :mod:`uc_checkpoint.ops.inflight`).
@@ -32,21 +34,20 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from uc_checkpoint.dcp import metadata_io
 from uc_checkpoint.dcp.buffers import StagingBuffers
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
-from uc_checkpoint.errors import CheckpointNotFoundError, PeerTimeoutError, TransferError, VolumeError, one_line
+from uc_checkpoint.errors import CheckpointNotFoundError, PeerTimeoutError, one_line
 from uc_checkpoint.format.layout import METADATA_NAME
 from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, recorded_mlflow_run_id
-from uc_checkpoint.ops import catalog, inflight, lineage, retention
+from uc_checkpoint.ops import catalog, inflight
 from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo, checkpoint_name
 from uc_checkpoint.ops.interval import IntervalPolicy, SaveSchedule
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments, check_timeout
 from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
 from uc_checkpoint.ops.ranks import RankGroup
+from uc_checkpoint.ops.root_view import RootView
 from uc_checkpoint.volumes import Volume, open_volume
-from uc_checkpoint.volumes.retry import retry
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +183,6 @@ class CheckpointManager:
         self._staging_buffers = StagingBuffers() if reuse_staging_buffers else None
         self.process_group = process_group
         self.staging_dir = staging_dir
-        self.list_attempts = list_attempts
-        self.list_backoff_s = list_backoff_s
         self.write_pointer = write_pointer
         self._inflight: tuple[int, Future] | None = None
         # The staging of the save in flight, while async staging may still be reading the state.
@@ -192,11 +191,12 @@ class CheckpointManager:
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
         self._ranks = RankGroup(process_group, checked_timeout)
-        # Lineage (see uc_checkpoint.ops.lineage): the step this manager loaded, whether its first save
-        # checked for a rollback, and the steps known to be abandoned (rank 0).
+        # The root's checkpoints as rank 0 sees them, the steps known to be abandoned among them.
+        self._view = RootView(self.root, attempts=list_attempts, backoff_s=list_backoff_s)
+        # Lineage (see uc_checkpoint.ops.lineage): the step this manager loaded, and whether its
+        # first save checked for a rollback.
         self._resumed_from: int | None = None
         self._lineage_checked = False
-        self._abandoned: set[int] = set()
         self._schedule = (
             None
             if save_interval is None
@@ -213,26 +213,6 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ listing
 
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried on :class:`TransferError` (:func:`_retry_transfers`).
-
-        Raises:
-            VolumeError: still failing after ``list_attempts`` attempts (the TransferError is its
-                cause); other errors of ``fn`` are raised at once.
-        """
-        return _retry_transfers(f"{what} under {self.root.url}", fn, self.list_attempts, self.list_backoff_s)
-
-    def _list_local(self) -> builtins.list[CheckpointInfo]:
-        return self._retry("list checkpoints", lambda: catalog.list_steps(self.root))
-
-    def _list_steps(self) -> builtins.list[CheckpointInfo]:
-        """The root's one listing, ``published`` not looked up yet (see :meth:`_published`)."""
-        return self._retry("list checkpoints", lambda: catalog.list_steps(self.root, published=False))
-
-    def _published(self, info: CheckpointInfo) -> bool:
-        """Whether ``info``'s ``.metadata`` exists (one lookup when the listing did not say)."""
-        return bool(catalog.is_published(self.root, info, self._retry).published)
-
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every step location under the root, oldest first (published or not), as the root shows
         it now: a save of this manager still in flight is missing or listed as unpublished until it
@@ -246,48 +226,7 @@ class CheckpointManager:
         Raises:
             VolumeError: the root cannot be listed (after ``list_attempts`` attempts) or is unusable.
         """
-        return self._on_leader("list checkpoints", self._list_local)
-
-    def _inspect(self, info: CheckpointInfo) -> CheckpointInfo:
-        """``info`` inspected by the catalog (:func:`uc_checkpoint.ops.catalog.inspect_step`): its
-        ``.metadata`` loads, every data file it references is there with its recorded size, and no
-        rollback abandoned it (:mod:`uc_checkpoint.ops.lineage`). Records the step as abandoned or not
-        whenever its marker was looked at.
-
-        Only evidence of damage makes a problem: a missing or short file, a ``.metadata`` that is
-        undecodable or unsafe (:class:`CorruptCheckpointError`), or one that vanished since the
-        listing (no longer published). A store that fails to answer proves nothing about the
-        checkpoint, so its errors are retried and then raised, never reported as a problem.
-
-        Raises:
-            VolumeError: the ``.metadata`` cannot be read or the location cannot be listed after
-                ``list_attempts`` attempts, or the store is unusable.
-        """
-        checked = catalog.inspect_step(
-            self.root,
-            info,
-            retry=self._retry,
-            allow_unsafe=self.reader_options.allow_unsafe_metadata,
-            rollback_first=True,
-        )
-        if checked.abandoned:
-            self._abandoned.add(info.step)
-        elif checked.abandoned is not None:
-            self._abandoned.discard(info.step)  # taken back, or saved again since
-        return checked
-
-    def _problem(self, info: CheckpointInfo) -> str | None:
-        """Why the published checkpoint ``info`` cannot be loaded or must not be resumed, or None
-        when it looks intact (see :meth:`_inspect`)."""
-        return self._inspect(info).problem
-
-    def _skipped(self, info: CheckpointInfo) -> None:
-        log = logger.info if info.step in self._abandoned else logger.warning
-        log("checkpoint manager: skipping checkpoint %s: %s", self.root.url_of(info.name), info.problem)
-
-    def _latest_local(self) -> int | None:
-        found = catalog.latest(self.root, infos=self._list_steps(), check=self._inspect, on_skip=self._skipped)
-        return None if found is None else found.step
+        return self._on_leader("list checkpoints", self._view.list_all)
 
     def latest(self) -> int | None:
         """Step of the newest checkpoint that is published and intact (``.metadata`` loads, every
@@ -308,7 +247,9 @@ class CheckpointManager:
                 ``list_attempts`` attempts, or the store is unusable (a store error is never taken
                 for "no checkpoint" or "broken": that would silently resume from an older step).
         """
-        return self._on_leader("find the latest checkpoint", self._latest_local)
+        return self._on_leader(
+            "find the latest checkpoint", lambda: self._view.latest_step(self.reader_options.allow_unsafe_metadata)
+        )
 
     # ------------------------------------------------------------------ save
 
@@ -462,24 +403,9 @@ class CheckpointManager:
         inflight.record(event, pending)
 
     def _check_rollback(self, step: int) -> builtins.list[int]:
-        """Rank 0, before this manager's first save: :func:`uc_checkpoint.ops.lineage.mark_rollback`
-        over the root's listing; returns the steps abandoned now."""
-
-        def read_manifest(location: Volume) -> Any:
-            metadata = self._retry(f"read {location.url}", partial(self._read_metadata, location))
-            return metadata_io.manifest_of(metadata)
-
-        infos = self._list_steps()
-        return lineage.mark_rollback(
-            self.root,
-            step,
-            self._resumed_from,
-            infos=infos,
-            is_published=self._published,
-            read_manifest=read_manifest,
-            abandoned=self._abandoned,
-            log=logger,
-        )
+        """Rank 0, before this manager's first save: the steps a rollback to the step it loaded
+        abandons now (:meth:`uc_checkpoint.ops.root_view.RootView.mark_rollback`)."""
+        return self._view.mark_rollback(step, self._resumed_from, self.reader_options.allow_unsafe_metadata)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any (its staging, upload, publish and housekeeping);
@@ -505,14 +431,14 @@ class CheckpointManager:
             return  # nothing published: keep everything
         # One listing serves both; without it neither can run safely (the pointer could move back to
         # an older step, retention could not tell what exists).
-        infos = self._housekeeping(step, "listing the checkpoints", self._list_steps)
+        infos = self._housekeeping(step, "listing the checkpoints", self._view.list_steps)
         if infos is None:
             return
         # The pointer names the newest checkpoint of the run's line: saving an older step again must
         # not move it back (abandoned steps do not count). Only steps above this one can say so,
         # usually none: the housekeeping's requests do not grow with the checkpoints kept.
-        newer = [i for i in infos if i.step > step and i.step not in self._abandoned]
-        if self.write_pointer and not any(self._published(i) for i in newer):
+        newer = [i for i in infos if i.step > step and i.step not in self._view.abandoned]
+        if self.write_pointer and not any(self._view.published(i) for i in newer):
             self._housekeeping(step, f"writing the {POINTER_NAME} pointer", lambda: self.write_latest_pointer(step))
         self._housekeeping(step, "retention (deleting old checkpoints)", lambda: self._prune(infos, protect={step}))
 
@@ -548,46 +474,22 @@ class CheckpointManager:
         location, never a published one with missing files. Call on one rank only (the manager
         calls it on rank 0 after each publish).
         """
-        return self._prune(self._list_steps(), protect)
+        return self._prune(self._view.list_steps(), protect)
 
     def _prune(self, infos: builtins.list[CheckpointInfo], protect: set[int] | frozenset[int]) -> builtins.list[int]:
-        """Retention over ``infos`` (a listing, ``published`` looked up or not): the plan
-        (:func:`uc_checkpoint.ops.retention.plan`, which looks up whether a location is published
-        only where that decides something), then the deletes."""
+        """Retention over ``infos`` (:meth:`uc_checkpoint.ops.root_view.RootView.prune`), the save
+        in flight protected too."""
         if self.keep_last is None:
             return []
-        keep = set(protect)
-        if self._inflight is not None:
-            keep.add(self._inflight[0])
-        # Only steps above the one just saved can belong to an abandoned branch this manager has not
-        # seen yet (another run's rollback): usually none, so this costs no request.
-        above = max(protect, default=None)
-        for info in infos:
-            if above is not None and info.step > above and info.step not in self._abandoned and self._published(info):
-                self._problem(info)  # records the step as abandoned when its marker applies
-        doomed = retention.plan(
+        keep = set(protect) | ({self._inflight[0]} if self._inflight is not None else set())
+        return self._view.prune(
             infos,
-            self._published,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             protect=keep,
-            abandoned=self._abandoned,
+            newest_saved=max(protect, default=None),
+            allow_unsafe=self.reader_options.allow_unsafe_metadata,
         )
-        for info in doomed:
-            self._delete_checkpoint(info)
-        plan = [info.step for info in doomed]
-        if plan:
-            logger.info(
-                "checkpoint manager: deleted checkpoints %s under %s (keep_last=%s, keep_every=%s)",
-                plan,
-                self.root.url,
-                self.keep_last,
-                self.keep_every,
-            )
-        return plan
-
-    def _delete_checkpoint(self, info: CheckpointInfo) -> None:
-        catalog.delete_checkpoint(self.root.child(info.name))
 
     # ------------------------------------------------------------------ preemption
 
@@ -681,25 +583,6 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
-    def _read_metadata(self, location: Volume) -> Any:
-        """The checkpoint's decoded ``.metadata`` (:func:`uc_checkpoint.dcp.metadata_io.read_metadata`),
-        trusting what the reader options trust."""
-        return metadata_io.read_metadata(location, allow_unsafe=self.reader_options.allow_unsafe_metadata)
-
-    def _metadata_exists(self, location: Volume) -> bool:
-        """Whether ``location`` has a ``.metadata``: one size lookup, and when that finds nothing, one
-        listing of ``location`` (each retried on TransferError).
-
-        Raises:
-            VolumeError: either request still fails, or the store is unusable (a missing bucket).
-        """
-        what = f"look up {location.url_of(METADATA_NAME)}"
-        if self._retry(what, lambda: location.size(METADATA_NAME)) is not None:
-            return True
-        # S3 answers a HEAD of a key in a missing bucket with a bare 404, as for a missing key (a
-        # HEAD answer has no body to name the error); a listing tells the two apart.
-        return METADATA_NAME in self._retry(what, location.list_files)
-
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load the checkpoint of ``step`` (default: :meth:`latest`) into ``state_dict`` in place, on
         every rank (DCP reshards to this run's world size). Returns the step loaded. A given
@@ -731,7 +614,7 @@ class CheckpointManager:
         location = self.root.child(checkpoint_name(step))
         # DCP would raise our error wrapped in its CheckpointException (a BaseException): a caller's
         # ``except CheckpointNotFoundError`` must see a missing step as such.
-        if explicit and not self._on_leader(f"look up step {step}", lambda: self._metadata_exists(location)):
+        if explicit and not self._on_leader(f"look up step {step}", lambda: self._view.metadata_exists(location)):
             raise CheckpointNotFoundError(
                 f"no published checkpoint at step {step}: {location.url_of(METADATA_NAME)} does not exist"
             )
@@ -748,32 +631,3 @@ class CheckpointManager:
 
 
 __all__ = ["CheckpointManager"]
-
-
-def _retry_transfers(what: str, fn: Callable[[], T], attempts: int, backoff_s: float) -> T:
-    """``fn()``, retried on :class:`TransferError` (:func:`uc_checkpoint.volumes.retry.retry`):
-    ``attempts`` attempts in all, the delay doubling from ``backoff_s`` seconds up to 10 s.
-
-    Raises:
-        VolumeError: still failing after the last attempt (the TransferError is its cause); other
-            errors of ``fn`` are raised at once.
-    """
-
-    def warn(attempt: int, delay: float, exc: BaseException) -> None:
-        logger.warning(
-            "checkpoint manager: %s failed (attempt %d of %d), retrying in %.1f s: %s",
-            what,
-            attempt,
-            attempts,
-            delay,
-            exc,
-        )
-
-    # Throttling and network errors (already retried by the store's client). A missing bucket or
-    # a root that is a file is a VolumeError and not worth retrying.
-    try:
-        return retry(
-            fn, attempts=attempts, retry_on=TransferError, backoff_s=backoff_s, max_backoff_s=10.0, on_retry=warn
-        )
-    except TransferError as exc:
-        raise VolumeError(f"cannot {what} after {attempts} attempts: {exc}") from exc
