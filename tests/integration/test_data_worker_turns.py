@@ -152,10 +152,15 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="workers keep torch's handlers without sigwaitinfo")
-def test_stop_signals_from_other_processes_leave_the_workers_serving(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_stop_signals_from_other_processes_leave_the_workers_serving(start_method: str, tmp_path: Path) -> None:
+    """Spawned workers too: their interpreter starts threads (a BLAS pool) before the worker's
+    init runs, which must not take a signal meant for the worker."""
     _, reference_loader = make(2)
     reference = rest(reference_loader)
-    _, loader = make(2, worker_init_fn=_RecordPid(tmp_path), persistent_workers=True)
+    _, loader = make(
+        2, worker_init_fn=_RecordPid(tmp_path), persistent_workers=True, multiprocessing_context=start_method
+    )
     it = iter(loader)
     got = take(it, 1)
     pids = _worker_pids(tmp_path, 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -20,7 +21,15 @@ from uc_checkpoint.ops.ranks import RankGroup, describe_ranks, hung_peer, timed_
 
 @pytest.mark.parametrize(
     ("given", "seconds"),
-    [(None, None), (5, 5.0), (2.5, 2.5), (timedelta(minutes=2), 120.0)],
+    [
+        (None, None),
+        (5, 5.0),
+        (2.5, 2.5),
+        (timedelta(minutes=2), 120.0),
+        (np.int64(5), 5.0),  # a number from a config parsed with numpy
+        (np.float32(2.0), 2.0),
+        (0.001, 0.001),
+    ],
 )
 def test_timeout_is_seconds_or_a_timedelta(given, seconds) -> None:
     checked = check_timeout(given)
@@ -32,7 +41,11 @@ def test_timeout_is_seconds_or_a_timedelta(given, seconds) -> None:
     [
         (True, TypeError, "timeout must be seconds .* got bool"),
         ("30", TypeError, "got str"),
-        (0, ValueError, "timeout must be a finite number of seconds > 0, got 0"),
+        (0, ValueError, "timeout must be a finite number of seconds, at least 0.001, got 0"),
+        (1e-9, ValueError, "at least 0.001, got 1e-09"),  # would be timedelta(0): no wait at all
+        (timedelta(microseconds=10), ValueError, "at least 0.001"),
+        (1e14, ValueError, "timeout must be at most .* seconds, got 100000000000000.0"),  # past timedelta's range
+        (np.bool_(True), TypeError, "got bool"),
         (-1.0, ValueError, "got -1.0"),
         (float("inf"), ValueError, "got inf"),
         (float("nan"), ValueError, "got nan"),

@@ -58,7 +58,11 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from uc_checkpoint.data.digest import SampleDigest, ShardHasher
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
-from uc_checkpoint.data.worker_signals import leave_stop_signals_to_the_rank
+from uc_checkpoint.data.worker_signals import (
+    leave_stop_signals_to_the_rank,
+    start_method_of,
+    stop_signals_blocked_for,
+)
 from uc_checkpoint.errors import DataLoadingError, TrackerStateError
 
 logger = logging.getLogger(__name__)
@@ -399,7 +403,8 @@ class _TrackedIterator:
         self._tracker = tracker
         self._generation = tracker.generation
         self._epoch = tracker.epoch
-        self._it: Iterator[_TaggedBatch] | None = iter(loader)
+        with stop_signals_blocked_for(start_method_of(loader)):  # spawned workers block them from their start
+            self._it: Iterator[_TaggedBatch] | None = iter(loader)
         self._refusal: str | None = None
         self._finished = False
 

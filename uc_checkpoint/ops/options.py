@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -254,19 +255,26 @@ def check_timeout(timeout: object) -> timedelta | None:
 
     Raises:
         TypeError: ``timeout`` is neither (a bool is not a number of seconds).
-        ValueError: it is zero, negative, NaN or infinite.
+        ValueError: it is under a millisecond (zero, negative), NaN, infinite or past
+            ``timedelta``'s range.
     """
     if timeout is None:
         return None
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
         raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    return timedelta(seconds=seconds)
+    # gloo and the c10d store count in milliseconds: less than one would be no wait at all.
+    if not math.isfinite(seconds) or seconds < 0.001:
+        raise ValueError(f"timeout must be a finite number of seconds, at least 0.001, got {timeout!r}")
+    try:
+        return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(
+            f"timeout must be at most {timedelta.max.total_seconds():g} seconds, got {timeout!r}"
+        ) from None
 
 
 __all__ = ["check_manager_arguments", "check_timeout", "ReaderOptions", "WriterOptions"]
