@@ -141,8 +141,8 @@ def node_env(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         PATH=f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
-        **more,
     )
+    env.update(more)
     return env
 
 
@@ -172,7 +172,8 @@ def test_command_sh_without_a_checkpoint_root_names_the_variable(code_source: Pa
         # GPUS_PER_NODE comes first: a bad one is reported even where LOCAL_WORLD_SIZE is good.
         ({"GPUS_PER_NODE": "eight", "LOCAL_WORLD_SIZE": "2"}, "ranks per node (GPUS_PER_NODE) must be"),
         ({"LOCAL_WORLD_SIZE": "0"}, "ranks per node (LOCAL_WORLD_SIZE) must be a positive integer, got '0'"),
-        ({"NUM_NODES": "1:2"}, "nodes must be a positive integer, got '1:2'"),  # not torchrun's elastic range
+        ({"NUM_NODES": "1:2"}, "nodes (NUM_NODES) must be a positive integer, got '1:2'"),  # not an elastic range
+        ({"WORLD_SIZE": "0"}, "nodes (WORLD_SIZE) must be a positive integer, got '0'"),  # the runtime's
         ({"TRAIN_ARGS": "--steps 3 --samples-log '/tmp/no end"}, "TRAIN_ARGS cannot be split into arguments"),
     ],
 )

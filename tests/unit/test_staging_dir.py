@@ -123,7 +123,8 @@ def test_a_base_of_ours_that_others_may_only_read_is_used(tmp_path: Path) -> Non
 def test_a_root_that_is_a_file_names_the_setting(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert_refused(staging_dir_for(blocker, "save", "u", "id", 0), str(blocker))
+    assert_refused(staging_dir_for(blocker, "save", "u", "id", 0), f"{blocker} cannot be a directory")
+    assert_refused(staging_dir_for(blocker / "deeper", "save", "u", "id", 0), "or a folder above it, is a file")
 
 
 def test_a_dead_owners_staging_is_reclaimed_by_the_next_and_logged(

@@ -204,6 +204,8 @@ def _private_dir(base: Path, for_path: Path) -> None:
     """
     try:
         base.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # the root, or a folder above it, is a file
+        raise _refuse(for_path, f"{base.parent} cannot be a directory: it, or a folder above it, is a file") from exc
     except OSError as exc:
         raise _refuse(for_path, f"{base.parent}: {exc.strerror or exc}") from exc
     try:

@@ -18,7 +18,7 @@ set -euo pipefail
 
 cd "${CODE_SOURCE_PATH:?CODE_SOURCE_PATH is not set: it names the unpacked code directory}"
 root="${UC_CHECKPOINT_ROOT:?UC_CHECKPOINT_ROOT is not set: give the checkpoint root, /Volumes/<catalog>/<schema>/<volume>/<run>}"
-nodes="${NUM_NODES:-${WORLD_SIZE:-1}}"
+nodes="${NUM_NODES:-${WORLD_SIZE:-1}}" nodes_from="$([ -n "${NUM_NODES:-}" ] && echo NUM_NODES || echo WORLD_SIZE)"
 
 if [ -n "${GPUS_PER_NODE:-}" ]; then
     gpus="$GPUS_PER_NODE" from=GPUS_PER_NODE
@@ -34,7 +34,7 @@ positive() {  # positive NAME VALUE: exit 2 naming NAME unless VALUE is a positi
         exit 2
     fi
 }
-positive nodes "$nodes"
+positive "nodes ($nodes_from)" "$nodes"
 positive "ranks per node ($from)" "$gpus"
 
 # TRAIN_ARGS as words: Python splits them (the job's python; torchrun needs it anyway) and hands
