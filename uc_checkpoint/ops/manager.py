@@ -1,7 +1,7 @@
 """Step-numbered checkpoints under one root: save, find the newest good one, load, keep a few.
 
 :class:`CheckpointManager` is what a resume-after-preemption training script talks to (the
-README's "Checkpoint manager" has the loop).
+"Checkpoint manager" in docs/guide.md has the loop).
 
 Layout under the root: ``step_<8 digits>/`` per checkpoint (a :class:`UCVolumeWriter` location:
 data files and, once complete, ``.metadata``) and a ``latest`` pointer file for tools.
