@@ -355,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--report",
-        help="where the report goes (its raw results beside it, .json). Default docs/benchmarks.md "
-        "(and the README's latest-run table), unless this run covers less than the one committed "
+        help="where the report goes (its raw results beside it, .json). Default docs/benchmarks.md, "
+        "unless this run covers less than the one committed "
         "there: then a scratch report in a new directory under the system's temp directory",
     )
     p.add_argument("--workdir", help="scratch directory (default: a new temp dir, removed afterwards)")
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.s3_fixtures import moto_server
 
     from .mounts import bindfs_mount, ensure_fuse_tools, s3fs_mount
-    from .report import update_readme, write_report
+    from .report import write_report
     from .servers import localbucket_available, localbucket_process, make_bucket
 
     cases = [
@@ -466,8 +466,6 @@ def main(argv: list[str] | None = None) -> int:
     report.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     write_report(raw, report)
     log.info("wrote %s", report)
-    if report.resolve() == (REPO / "docs" / "benchmarks.md").resolve() and update_readme(raw, REPO / "README.md"):
-        log.info("updated the latest-run figures in README.md")
     return 0
 
 

@@ -15,13 +15,10 @@ import pytest
 
 from benchmarks.fmt import MIB
 from benchmarks.report import (
-    README_BEGIN,
-    README_END,
     cost_targets,
     cpu_rows,
     medians,
     target_ratios,
-    update_readme,
     write_report,
 )
 from benchmarks.run import _pick_stores, narrower_run, parse_kind
@@ -384,28 +381,6 @@ def test_the_unsigned_payload_option_is_compared_with_s3torchconnector_apart() -
     assert rows["save client CPU vs s3torchconnector (aim)"] == ("<= 1.5x", "1.20x", True)
     option = "the same, both UNSIGNED-PAYLOAD (ours: the sign_payload=False option)"
     assert rows[option] == ("<= 1.5x", "0.80x", True)
-
-
-def test_the_readme_block_is_replaced_and_only_between_its_markers(tmp_path: Path) -> None:
-    raw = {
-        "machine": {"date": "2026-12-01 01:00 UTC", "cores": 2},
-        "args": {"size_mb": 256},
-        "results": _costs(256, uc_save=0.8, naive_save=1.0),
-    }
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nbefore\n{README_BEGIN}\nold figures\n{README_END}\nafter\n")
-    assert update_readme(raw, readme)
-    text = readme.read_text()
-    assert text.startswith("# Title\n\nbefore\n") and text.endswith("after\n") and "old figures" not in text
-    row = next(line for line in text.splitlines() if line.startswith("| moto | 256 |"))
-    # ours 0.80 s at 3.0 CPU-s/GiB; naive 1.00 s at 3.2; raw boto3 0.70 s at 1.8; s3tc 2.00 s at 2.5
-    assert row.startswith(
-        "| moto | 256 | 0.80 (3.0) | 1.00 (3.2) | 0.70 (1.8) | 2.00 (2.5) | 0.50 (2.0) | 0.60 (1.6) |"
-    )
-    assert update_readme(raw, readme) and readme.read_text() == text  # idempotent
-    plain = tmp_path / "OTHER.md"
-    plain.write_text("no markers\n")
-    assert not update_readme(raw, plain) and plain.read_text() == "no markers\n"
 
 
 def test_the_profile_counts_running_samples_only() -> None:
