@@ -38,10 +38,10 @@ from uc_checkpoint.dcp.buffers import StagingBuffers
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.errors import CheckpointNotFoundError, PeerTimeoutError, one_line
-from uc_checkpoint.format.layout import METADATA_NAME
+from uc_checkpoint.format.layout import METADATA_NAME, checkpoint_name
 from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, recorded_mlflow_run_id
 from uc_checkpoint.ops import catalog, inflight
-from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo, checkpoint_name
+from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo
 from uc_checkpoint.ops.interval import IntervalPolicy, SaveSchedule
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments, check_timeout
 from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
@@ -184,7 +184,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.staging_dir = staging_dir
         self.write_pointer = write_pointer
-        self._inflight: tuple[int, Future] | None = None
+        self._pending: inflight.PendingSave | None = None
         # The staging of the save in flight, while async staging may still be reading the state.
         self._staging: Future | None = None
         #: The :class:`~uc_checkpoint.observability.SaveEvent` of the last save (None before the first).
@@ -370,7 +370,7 @@ class CheckpointManager:
             self._record(SaveEvent(step, location.url, pending.elapsed_s(), error=one_line(exc)), pending)
             raise
         pending.blocked_s = pending.elapsed_s()
-        self._inflight = (step, pending.done)
+        self._pending = pending
         if staging is not None:
             self._staging = staging
             staging.add_done_callback(partial(inflight.staged, pending))
@@ -418,9 +418,9 @@ class CheckpointManager:
             PeerTimeoutError: a peer did not take part in the save's collectives within ``timeout``.
         """
         self.wait_until_staged()
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight[1].result()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.done.result()
 
     def _after_publish(self, step: int, fut: Future) -> None:
         """Housekeeping on rank 0 after ``step`` was published: the ``latest`` pointer, then
@@ -481,7 +481,7 @@ class CheckpointManager:
         in flight protected too."""
         if self.keep_last is None:
             return []
-        keep = set(protect) | ({self._inflight[0]} if self._inflight is not None else set())
+        keep = set(protect) | ({self._pending.step} if self._pending is not None else set())
         return self._view.prune(
             infos,
             keep_last=self.keep_last,
@@ -541,22 +541,22 @@ class CheckpointManager:
         """
         deadline = time.monotonic() + budget_s
         self.wait_until_staged()  # a copy is a few seconds at most; the state is needed right after
-        inflight, self._inflight = self._inflight, None
+        pending, self._pending = self._pending, None
         landed = False
-        if inflight is not None:
+        if pending is not None:
             # Told apart by futures_wait, not by the exception result() raises: DCP's
             # CheckpointException is a BaseException, and PeerTimeoutError is a TimeoutError,
             # which is what result() raises when the wait runs out.
-            done, _ = futures_wait([inflight[1]], timeout=max(0.0, deadline - time.monotonic()))
+            done, _ = futures_wait([pending.done], timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                self._inflight = inflight
+                self._pending = pending
                 logger.error(
                     "checkpoint manager: the save of step %d did not finish within %.0f s; no final save",
-                    inflight[0],
+                    pending.step,
                     budget_s,
                 )
                 return False
-            failure = inflight[1].exception()
+            failure = pending.done.exception()
             if isinstance(failure, PeerTimeoutError):
                 raise failure  # the ranks lost contact: no save can agree now
             if failure is None:
@@ -564,10 +564,10 @@ class CheckpointManager:
             else:  # the final save below supersedes it
                 logger.warning(
                     "checkpoint manager: the save of step %d failed (%s); taking the final save",
-                    inflight[0],
+                    pending.step,
                     one_line(failure),
                 )
-        if landed and inflight is not None and inflight[0] == step:
+        if landed and pending is not None and pending.step == step:
             return True  # this step is already saved
         started = time.monotonic()
         self._save(step, state_dict, asynchronous=False)
