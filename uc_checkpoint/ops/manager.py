@@ -42,11 +42,12 @@ from uc_checkpoint.format.layout import METADATA_NAME, checkpoint_name
 from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, recorded_mlflow_run_id
 from uc_checkpoint.ops import catalog, inflight
 from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo
-from uc_checkpoint.ops.interval import IntervalPolicy, SaveSchedule
+from uc_checkpoint.ops.interval import IntervalPolicy
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments, check_timeout
-from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
+from uc_checkpoint.ops.preemption import PreemptionNotice
 from uc_checkpoint.ops.ranks import RankGroup
 from uc_checkpoint.ops.root_view import RootView
+from uc_checkpoint.ops.schedule import SaveSchedule
 from uc_checkpoint.volumes import Volume, open_volume
 
 logger = logging.getLogger(__name__)
@@ -190,18 +191,14 @@ class CheckpointManager:
         #: The :class:`~uc_checkpoint.observability.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
-        self._ranks = RankGroup(process_group, checked_timeout)
+        self._ranks = RankGroup(process_group, checked_timeout, name=self.root.url)
         # The root's checkpoints as rank 0 sees them, the steps known to be abandoned among them.
         self._view = RootView(self.root, attempts=list_attempts, backoff_s=list_backoff_s)
         # Lineage (see uc_checkpoint.ops.lineage): the step this manager loaded, and whether its
         # first save checked for a rollback.
         self._resumed_from: int | None = None
         self._lineage_checked = False
-        self._schedule = (
-            None
-            if save_interval is None
-            else SaveSchedule(save_interval, self.root.url, process_group, timeout=self._ranks.timeout)
-        )
+        self._schedule = None if save_interval is None else SaveSchedule(save_interval, self._ranks)
         #: The MLflow run id the checkpoint last loaded recorded (None: none, or nothing loaded).
         self.resumed_mlflow_run_id: str | None = None
 
@@ -292,7 +289,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether to :meth:`save` at ``step`` by the ``save_interval`` policy: every rank calls it
         at every step and gets the same answer, without collectives
-        (:class:`~uc_checkpoint.ops.interval.SaveSchedule`). Stays True until :meth:`save`.
+        (:class:`~uc_checkpoint.ops.schedule.SaveSchedule`). Stays True until :meth:`save`.
 
         Raises:
             ValueError: the manager has no ``save_interval``, or ``step`` is negative.
@@ -515,12 +512,7 @@ class CheckpointManager:
         Raises:
             PeerTimeoutError: a peer did not take part within ``timeout`` (see the class docstring).
         """
-        if not self._ranks.distributed():
-            return self._preemption.received
-        return self._ranks.collective(
-            f"agree on preemption under {self.root.url}",
-            lambda: any_rank(self._preemption.received, self._ranks.agree_group()),
-        )
+        return self._ranks.any_rank(f"agree on preemption under {self.root.url}", self._preemption.received)
 
     def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
         """The last checkpoint before a preemption: wait for the save in flight, then save ``step``
