@@ -405,7 +405,7 @@ def sweep_checkpoints(work: Path, grid: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _checkpoints_point(work: Path, n: int, reps: int) -> dict[str, Any]:
     from uc_checkpoint import CheckpointManager, collect_garbage, list_root
-    from uc_checkpoint.ops.catalog import checkpoint_name
+    from uc_checkpoint.format.layout import checkpoint_name
     from uc_checkpoint.volumes import S3Volume
 
     with store(work, counted=True) as st:

@@ -20,8 +20,7 @@ import torch
 
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint import CheckpointManager, collect_garbage, list_root
-from uc_checkpoint.format.layout import METADATA_NAME
-from uc_checkpoint.ops.catalog import checkpoint_name
+from uc_checkpoint.format.layout import METADATA_NAME, checkpoint_name
 from uc_checkpoint.volumes import S3Volume
 
 T = TypeVar("T")

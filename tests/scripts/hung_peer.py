@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 from uc_checkpoint.ops import manager as manager_module
-from uc_checkpoint.ops.interval import PROBE_STEPS, EverySeconds
+from uc_checkpoint.ops.interval import EverySeconds
 from uc_checkpoint.ops.manager import CheckpointManager
+from uc_checkpoint.ops.schedule import PROBE_STEPS
 
 warnings.filterwarnings("ignore")
 

@@ -14,10 +14,10 @@ import torch
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata
 from uc_checkpoint.engine.listing import checkpoint_entries, locations_below
 from uc_checkpoint.errors import TransferError
-from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_claim
+from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, checkpoint_name, is_claim
 from uc_checkpoint.ops import catalog
 from uc_checkpoint.ops import catalog as checkpoints
-from uc_checkpoint.ops.catalog import checkpoint_name, inspect_step, latest, list_steps, scan
+from uc_checkpoint.ops.catalog import inspect_step, latest, list_steps, scan
 from uc_checkpoint.ops.lineage import abandonment_marker
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.summary import list_root
@@ -313,7 +313,7 @@ def test_ls_counts_only_the_files_the_published_metadata_references(
 
 def test_checkpoint_names() -> None:
     assert checkpoint_name(42) == "step_00000042"
-    assert checkpoints.checkpoint_name is checkpoint_name
+    assert checkpoint_name.__module__ == "uc_checkpoint.format.layout"  # one definition, beside the layout
     with pytest.raises(ValueError, match="step must be >= 0"):
         checkpoint_name(-1)
 

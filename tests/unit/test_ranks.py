@@ -116,3 +116,30 @@ def test_the_jobs_timeout_is_read_and_set_through_the_compat_module() -> None:
         assert compat.default_group_timeout() == timedelta(seconds=9)
     finally:
         dist.destroy_process_group()
+
+
+def test_without_a_process_group_every_agreement_is_local() -> None:
+    # One process: rank 0's result, the flag itself, the decision made here; no store, no group.
+    group = RankGroup(None, timedelta(seconds=7), name="memory://root")
+    made: list[str] = []
+
+    def make() -> bytes:
+        made.append("made")
+        return b"save at 10"
+
+    assert group.decided("decide", "next_save/0", make) == b"save at 10" and made == ["made"]
+    assert group.any_rank("agree on preemption", True) is True
+    assert group.any_rank("agree on preemption", False) is False
+    assert group.on_leader("find the latest", lambda: 3) == 3
+
+
+def test_a_single_rank_job_decides_without_the_store() -> None:
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=7))
+    try:
+        group = RankGroup(None, name="one")
+        assert group.decided("decide", "k", lambda: b"v") == b"v"
+        assert group.any_rank("agree", True) is True
+        assert not compat.default_store().check([group.store_key("k")])  # one rank: nothing handed over
+    finally:
+        dist.destroy_process_group()

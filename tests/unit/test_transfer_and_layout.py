@@ -10,8 +10,8 @@ import pytest
 
 from uc_checkpoint import TransferError, VolumeError
 from uc_checkpoint.engine.transfer import TransferGroup, TransferPool
-from uc_checkpoint.format.layout import is_checkpoint_file
-from uc_checkpoint.ops.catalog import checkpoint_name, latest, list_steps
+from uc_checkpoint.format.layout import checkpoint_name, is_checkpoint_file
+from uc_checkpoint.ops.catalog import latest, list_steps
 from uc_checkpoint.volumes import LocalVolume, open_volume
 
 

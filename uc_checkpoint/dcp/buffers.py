@@ -15,9 +15,10 @@ that starts while the previous one still serialises gets new memory, never memor
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
+
+from uc_checkpoint.volumes.process_local import ProcessLocal
 
 #: One kept buffer: the tensor, whether it is in pinned memory (for accelerator sources), its dtype
 #: and shape.
@@ -37,47 +38,54 @@ class StagingBuffers:
     The first save allocates as usual; each later one copies into the previous one's tensors when
     it is done with them, matched in the order the snapshot walks the state (same shape, dtype and
     pinning; any that differ are allocated anew and replace the old). A save that starts while the
-    previous one still serialises from the buffers gets new memory. Thread-safe. Pickles empty (the
-    writer crosses to DCP's background process in PROCESS mode; memory does not).
+    previous one still serialises from the buffers gets new memory. Thread-safe. The set belongs to
+    one process (a :class:`~uc_checkpoint.volumes.process_local.ProcessLocal`): a copy pickled to
+    another process (the writer crosses to DCP's background process in PROCESS mode), a deep copy
+    and a forked child start empty.
 
     Memory: between saves, :attr:`nbytes` bytes (the rank's state, tensors only) stay allocated;
     :meth:`clear` frees them.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[_Buffer] = []
+        self._kept: ProcessLocal[_Kept] = ProcessLocal()
 
     def lease(self) -> BufferLease:
         """Lend the kept set (empty when none is idle: the first save, or the previous one is still
         running) to one snapshot; the set is the lease's until :meth:`BufferLease.release`."""
-        with self._lock:
-            idle, self._idle = self._idle, []
+        kept = self._kept.get(_Kept)
+        with kept.lock:
+            idle, kept.idle = kept.idle, []
         return BufferLease(self, idle)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the idle set (0 while a save holds it, or before the first save ended)."""
-        with self._lock:
-            return sum(b[0].numel() * b[0].element_size() for b in self._idle)
+        kept = self._kept.get(_Kept)
+        with kept.lock:
+            return sum(b[0].numel() * b[0].element_size() for b in kept.idle)
 
     def clear(self) -> None:
         """Free the idle set (a save holding one keeps it until it ends; it then comes back)."""
-        with self._lock:
-            self._idle = []
+        kept = self._kept.get(_Kept)
+        with kept.lock:
+            kept.idle = []
 
     def _give_back(self, buffers: list[_Buffer]) -> None:
-        with self._lock:
+        kept = self._kept.get(_Kept)
+        with kept.lock:
             # An empty set (a lease that was offered nothing, or a state without tensors) never
             # replaces a kept one that another save gave back meanwhile.
-            if buffers or not self._idle:
-                self._idle = buffers
+            if buffers or not kept.idle:
+                kept.idle = buffers
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+class _Kept:
+    """The idle set of a :class:`StagingBuffers` in one process, and its lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[_Buffer] = []
 
 
 class BufferLease:

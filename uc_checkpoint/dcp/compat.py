@@ -62,7 +62,7 @@ def default_store() -> Any:
     """The default process group's c10d key-value store (``distributed_c10d._get_default_store``,
     checked on torch 2.13). Its ``set``/``get``/``add`` are requests to the store, not collectives
     on a process group, so the training thread may use them while a background save's collectives
-    run (:mod:`uc_checkpoint.ops.interval`).
+    run (:meth:`uc_checkpoint.ops.ranks.RankGroup.decided`).
 
     Raises:
         ValueError (torch's): the default process group is not initialised.

@@ -40,8 +40,8 @@ from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.demo.data import ShardSet
 from uc_checkpoint.demo.model import GPT, GPTConfig, shard_model
+from uc_checkpoint.format.layout import checkpoint_name
 from uc_checkpoint.ops import catalog
-from uc_checkpoint.ops.catalog import checkpoint_name
 from uc_checkpoint.volumes import open_volume
 
 

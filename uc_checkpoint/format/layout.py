@@ -72,11 +72,33 @@ AUTO_SPREAD_MIN_RANKS = 256
 #: ... with one prefix per this many ranks (8 prefixes at 256 ranks, 256 from 8,192 ranks on).
 AUTO_RANKS_PER_PREFIX = 32
 
+#: The names of a root's step locations start with this (:func:`checkpoint_name`).
+STEP_PREFIX = "step_"
+
+_STEP_DIR = re.compile(r"^step_(\d+)/?$")
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
 _SPREAD_DIR = re.compile(r"^[0-9a-f]{1,2}/$")
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 _SAVE_MARKER = re.compile(r"^(?:__(\d+))?\.uc-save-([0-9a-f]{8,32})$")
 _CLAIM = re.compile(r"^(?:__\d+)?\.uc-claim$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The location name of the checkpoint of ``step`` under a root: ``step_00000042``.
+
+    Raises:
+        ValueError: ``step`` is negative.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a location named as :func:`checkpoint_name` names them (a trailing ``/``, as
+    listings show sub-locations, allowed), or None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 def spread_count(option: int | None, world_size: int, *, partitioned_store: bool) -> int:

@@ -1,7 +1,7 @@
 """The catalog of step-numbered checkpoints under one root: what exists, whether it is intact, which
 is the latest.
 
-A root holds one location per checkpoint, ``step_<8 digits>`` (:func:`checkpoint_name`). Each is
+A root holds one location per checkpoint, ``step_<8 digits>`` (:func:`~uc_checkpoint.format.layout.checkpoint_name`). Each is
 described by one record, :class:`CheckpointInfo`, in one of four states:
 
 * ``"incomplete"``: no ``.metadata`` (a save in progress, or one that failed);
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +47,16 @@ from uc_checkpoint.engine.listing import (
     remove_empty_spread_dirs,
 )
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, VolumeError
-from uc_checkpoint.format.layout import ABANDONED_NAME, DATA_SUFFIX, METADATA_NAME, is_checkpoint_file, is_claim
+from uc_checkpoint.format.layout import (
+    ABANDONED_NAME,
+    DATA_SUFFIX,
+    METADATA_NAME,
+    STEP_PREFIX,
+    checkpoint_name,
+    is_checkpoint_file,
+    is_claim,
+    step_of,
+)
 from uc_checkpoint.format.manifest import entries_of
 from uc_checkpoint.format.metadata_peek import PeekedMetadata, peek_metadata
 from uc_checkpoint.ops.lineage import abandonment_of
@@ -61,17 +69,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_STEP_DIR = re.compile(r"^step_(\d+)/?$")
-
 #: The states of :class:`CheckpointInfo`.
 STATES = ("complete", "incomplete", "broken", "abandoned")
 
 #: Which published checkpoints :func:`scan` inspects (reads the ``.metadata`` of): ``"none"``,
 #: ``"latest"`` (newest first until one is complete, as :func:`latest` does) or ``"all"``.
 CHECKS = ("none", "latest", "all")
-
-#: The names of a root's step locations start with this (:func:`checkpoint_name`).
-STEP_PREFIX = "step_"
 
 
 class Retry(Protocol):
@@ -133,24 +136,6 @@ class CheckpointInfo:
     abandoned: bool | None = None
     unreferenced_files: int | None = None
     unreferenced_bytes: int | None = None
-
-
-def checkpoint_name(step: int) -> str:
-    """The location name of the checkpoint of ``step`` under a root: ``step_00000042``.
-
-    Raises:
-        ValueError: ``step`` is negative.
-    """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step of a location named as :func:`checkpoint_name` names them (a trailing ``/``, as
-    listings show sub-locations, allowed), or None for any other name."""
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
 
 
 def open_root(root: str | Volume, *, what: str = "checkpoint root", missing: str = "does not exist") -> Volume:
@@ -576,11 +561,9 @@ __all__ = [
     "write_pointer",
     "CHECKS",
     "STATES",
-    "STEP_PREFIX",
     "CheckpointInfo",
     "Retry",
     "call_once",
-    "checkpoint_name",
     "file_problems",
     "inspect_step",
     "is_published",
@@ -591,5 +574,4 @@ __all__ = [
     "open_root",
     "references_of",
     "scan",
-    "step_of",
 ]

@@ -32,8 +32,8 @@ from uc_checkpoint.engine.staging_dir import (
     user_staging_base,
 )
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
-from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file, is_claim
-from uc_checkpoint.ops.catalog import list_step_entries, open_root, step_of
+from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, is_checkpoint_file, is_claim, step_of
+from uc_checkpoint.ops.catalog import list_step_entries, open_root
 from uc_checkpoint.volumes import Entry, Volume
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,7 @@ from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.errors import one_line
 from uc_checkpoint.observability import SaveEvent, log_to_mlflow
 
-#: The manager's logger: these lines are the manager's.
-logger = logging.getLogger("uc_checkpoint.ops.manager")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

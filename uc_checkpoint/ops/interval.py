@@ -1,4 +1,4 @@
-"""How often to save: interval policies and the schedule behind ``CheckpointManager.should_save``.
+"""How often to save: interval policies, pure functions of step numbers and measured seconds.
 
 A policy says, at a decision step, which step the next save should be at. The decisions are pure
 functions of step numbers and measured seconds (:func:`steps_covering`, :func:`next_save_step`,
@@ -20,42 +20,18 @@ one training step with the time spent in ``save()`` taken out; "save cost" is th
 ``save()`` call blocked the training loop (for async saves: the wait for the previous save, if any,
 and the copy of the state).
 
-:class:`SaveSchedule` is what the manager holds. Every rank calls :meth:`SaveSchedule.should_save`
-at every step and gets the same answer without a collective on any process group (an async save's
-collectives run in a background thread; a collective from the training thread could pair with
-them). A deterministic policy is computed on every rank alike. A measured one depends on clocks
-that differ between ranks, so rank 0 of the group decides, and hands its decision to the other
-ranks through the c10d store (``set``/``get``, not collectives): decision ``n`` under the key
-``uc_checkpoint/next_save/<root>/<leader rank>/<schedule>/<n>``. Decisions are taken at the first
-``should_save`` call, at the first call after each save, and at a re-decision step (the first
-decision of a measured policy cannot know the step time yet: it times :data:`PROBE_STEPS` steps
-first). The other ranks read a decision at the same step rank 0 takes it, so they may wait there
-for rank 0 (never in a collective), at most the manager's timeout: a rank 0 that does not decide
-by then (hung, stopped) is a :class:`~uc_checkpoint.errors.PeerTimeoutError` naming it. Docs:
-docs/operating.md, "How often to save".
+The manager's :class:`~uc_checkpoint.ops.schedule.SaveSchedule` asks a policy at each decision and
+hands rank 0's decision to every rank. Docs: docs/operating.md, "How often to save".
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
 
-import torch.distributed as dist
-
-from uc_checkpoint.dcp import compat
-from uc_checkpoint.ops.ranks import hung_peer, timed_out
-
-logger = logging.getLogger(__name__)
-
-#: Steps rank 0 times before the first decision of a policy that needs the step time.
-PROBE_STEPS = 5
+#: Save costs below this many seconds count as this (a zero would make the interval zero).
+TINY_S = 1e-6
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -202,7 +178,7 @@ class IntervalPolicy(ABC):
         """The step of the next save, decided at ``step`` (at or after it; after ``anchor``): the
         interval runs from ``anchor``, the last save or the step before the first one seen
         (``anchor <= step``). None: the step time is needed first (the schedule times
-        :data:`PROBE_STEPS` steps and asks again)."""
+        :data:`~uc_checkpoint.ops.schedule.PROBE_STEPS` steps and asks again)."""
 
 
 class EverySteps(IntervalPolicy):
@@ -268,7 +244,7 @@ class BlockedFraction(IntervalPolicy):
             return None
         if measured.save_s is None:
             return step + 1
-        interval = blocked_fraction_interval_s(max(measured.save_s, _TINY_S), self.max_fraction)
+        interval = blocked_fraction_interval_s(max(measured.save_s, TINY_S), self.max_fraction)
         return next_save_step(step, anchor, interval, measured.step_s)
 
     def __repr__(self) -> str:
@@ -300,7 +276,7 @@ class YoungDaly(IntervalPolicy):
         if measured.save_s is None:
             return step + 1
         optimum = daly_interval_s if self.higher_order else young_interval_s
-        return next_save_step(step, anchor, optimum(max(measured.save_s, _TINY_S), self.mtbf_s), measured.step_s)
+        return next_save_step(step, anchor, optimum(max(measured.save_s, TINY_S), self.mtbf_s), measured.step_s)
 
     def __repr__(self) -> str:
         return f"YoungDaly({self.mtbf_s}, higher_order={self.higher_order})"
@@ -347,191 +323,14 @@ class Looser(_Combined):
         return None if steps is None else max(steps)
 
 
-#: Save costs below this many seconds count as this (a zero would make the interval zero).
-_TINY_S = 1e-6
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One decision of a :class:`SaveSchedule`: at ``step``, save (``action="save"``) or decide
-    again (``"decide"``: the step time was not measured yet)."""
-
-    step: int
-    action: str
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"step": self.step, "action": self.action}).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> Decision:
-        """Raises: ValueError: ``raw`` is not a decision (``where`` names the key)."""
-        try:
-            body = json.loads(raw)
-            decision = cls(int(body["step"]), str(body["action"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"the save schedule's key {where} holds {raw!r}, not a decision") from exc
-        if decision.action not in ("save", "decide"):
-            raise ValueError(f"the save schedule's key {where} holds an unknown action {decision.action!r}")
-        return decision
-
-
-class SaveSchedule:
-    """The state behind ``CheckpointManager.should_save`` on one rank (see the module docstring).
-
-    Args:
-        policy: the interval policy.
-        name: what tells this schedule's store keys from others' (the manager passes its root URL).
-        group: the ranks that decide together (None: every rank, or a single process).
-        clock: seconds, monotonic (rank 0's step timing).
-        timeout: the longest wait for rank 0's decision (read when a rank waits); None: the
-            store's own timeout.
-
-    Not thread-safe: the training loop calls it, on every rank, at the same steps.
-    """
-
-    def __init__(
-        self,
-        policy: IntervalPolicy,
-        name: str,
-        group: dist.ProcessGroup | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        timeout: Callable[[], timedelta] | None = None,
-    ) -> None:
-        if not isinstance(policy, IntervalPolicy):
-            raise TypeError(f"save_interval must be an interval policy (EverySteps, ...), got {type(policy).__name__}")
-        self.policy = policy
-        self.name = name
-        self.group = group
-        self.clock = clock
-        self.timeout = timeout
-        self._target: Decision | None = None
-        self._decisions = 0
-        self._anchor: int | None = None
-        self._prefix: str | None = None
-        self._store: Any = None
-        self._leader_rank: int | None = None  # rank 0 of the group, as a global rank
-        # Rank 0's measurements: the window since its last decision (clock, step, save seconds).
-        self._window: tuple[float, int, float] | None = None
-        self._measured = Measured()
-
-    # ---- ranks and store
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
-
-    def _leader(self) -> bool:
-        return not self._distributed() or dist.get_rank(self.group) == 0
-
-    def _key(self, n: int) -> str:
-        if self._prefix is None:
-            self._store = compat.default_store()
-            leader = self._leader_rank = dist.get_process_group_ranks(self.group or dist.group.WORLD)[0]
-            base = f"uc_checkpoint/next_save/{self.name}/{leader}"
-            # Each rank counts its own schedules of this root: ranks create them in the same order,
-            # so the n-th one on every rank shares keys with the n-th one on the others.
-            serial = self._store.add(f"{base}/schedules/{dist.get_rank()}", 1)
-            self._prefix = f"{base}/{serial}"
-        return f"{self._prefix}/{n}"
-
-    # ---- the training loop's calls
-    def should_save(self, step: int) -> bool:
-        """Whether to save at ``step``; the same answer on every rank. Call it at every step (or
-        at the same steps on every rank); it stays True until a save is made.
-
-        Raises:
-            TypeError: ``step`` is not an int.
-            ValueError: ``step`` is negative, or a store key holds something else than a decision.
-            PeerTimeoutError: rank 0 did not decide within the timeout (a rank other than 0).
-        """
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, got {type(step).__name__}")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        if self._anchor is None:
-            self._anchor = step - 1
-        if self._target is None:
-            self._decide(step)
-        while self._target is not None and self._target.action == "decide" and step >= self._target.step:
-            self._decide(step)
-        assert self._target is not None
-        return self._target.action == "save" and step >= self._target.step
-
-    def saved(self, step: int, blocked_s: float) -> None:
-        """``save(step)`` was called on every rank and blocked ``blocked_s`` seconds here: the next
-        interval runs from ``step``, decided at the next :meth:`should_save`."""
-        self._anchor = step
-        self._target = None
-        self._measured = Measured(self._measured.step_s, max(blocked_s, 0.0))
-        if self._window is not None:
-            start, start_step, blocked = self._window
-            self._window = (start, start_step, blocked + max(blocked_s, 0.0))
-
-    def restart(self) -> None:
-        """A load on every rank: the next :meth:`should_save` starts the interval afresh (rank 0
-        keeps its measurements, but not the time spent loading)."""
-        self._anchor = None
-        self._target = None
-        self._window = None
-
-    # ---- decisions
-    def _measure(self, step: int, now: float) -> Measured:
-        """Rank 0: the step time over the window since its last decision (kept when the window
-        holds no step), and a new window from ``step``."""
-        measured = self._measured
-        if self._window is not None:
-            start, start_step, blocked = self._window
-            if step > start_step:
-                step_s = max((now - start - blocked) / (step - start_step), _TINY_S)
-                measured = Measured(step_s, measured.save_s)
-        self._window = (now, step, 0.0)
-        self._measured = measured
-        return measured
-
-    def _decide(self, step: int) -> None:
-        n = self._decisions
-        self._decisions += 1
-        assert self._anchor is not None
-        if not self.policy.measured or self._leader():
-            measured = self._measure(step, self.clock()) if self.policy.measured else Measured()
-            target = self.policy.next_save(step, min(self._anchor, step), measured)
-            decision = Decision(step + PROBE_STEPS, "decide") if target is None else Decision(target, "save")
-            if self.policy.measured and self._distributed():
-                key = self._key(n)  # opens the store first
-                self._store.set(key, decision.to_bytes())
-            logger.debug("save schedule %s: decision %d at step %d: %s (%s)", self.policy, n, step, decision, measured)
-        else:
-            key = self._key(n)
-            decision = Decision.from_bytes(self._wait_for_leader(key, step), key)
-        self._target = decision
-
-    def _wait_for_leader(self, key: str, step: int) -> bytes:
-        """The value rank 0 sets under ``key``, waited for at most :attr:`timeout` (a store
-        ``wait``, then a ``get``).
-
-        Raises:
-            PeerTimeoutError: it was not set in time (rank 0 hung, stopped or unreachable).
-        """
-        timeout = self.timeout() if self.timeout is not None else self._store.timeout
-        started = time.monotonic()
-        try:
-            self._store.wait([key], timeout)
-            return bytes(self._store.get(key))
-        except RuntimeError as exc:
-            if not timed_out(exc):
-                raise
-            what = f"receive the decision whether to save at step {step} for {self.name} (should_save)"
-            raise hung_peer(what, f"rank {self._leader_rank}", timeout, exc, time.monotonic() - started) from exc
-
-
 __all__ = [
-    "PROBE_STEPS",
     "BlockedFraction",
-    "Decision",
     "EverySeconds",
     "EverySteps",
     "IntervalPolicy",
     "Looser",
     "Measured",
-    "SaveSchedule",
+    "TINY_S",
     "Tighter",
     "YoungDaly",
     "blocked_fraction_interval_s",

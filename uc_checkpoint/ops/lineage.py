@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from uc_checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, TransferError
-from uc_checkpoint.format.layout import ABANDONED_NAME
+from uc_checkpoint.format.layout import ABANDONED_NAME, checkpoint_name
 from uc_checkpoint.ops.retention import steps_to_delete
 
 if TYPE_CHECKING:
@@ -136,8 +136,6 @@ def mark_rollback(
     Raises:
         TransferError / VolumeError: a marker cannot be looked up, read or written.
     """
-    from uc_checkpoint.ops.catalog import checkpoint_name  # catalog imports this module
-
     abandoned.discard(step)  # saved again now, on this line
     if resumed is not None:
         abandoned.discard(resumed)

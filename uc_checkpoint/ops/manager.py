@@ -38,15 +38,16 @@ from uc_checkpoint.dcp.buffers import StagingBuffers
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.errors import CheckpointNotFoundError, PeerTimeoutError, one_line
-from uc_checkpoint.format.layout import METADATA_NAME
+from uc_checkpoint.format.layout import METADATA_NAME, checkpoint_name
 from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, recorded_mlflow_run_id
 from uc_checkpoint.ops import catalog, inflight
-from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo, checkpoint_name
-from uc_checkpoint.ops.interval import IntervalPolicy, SaveSchedule
+from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo
+from uc_checkpoint.ops.interval import IntervalPolicy
 from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments, check_timeout
-from uc_checkpoint.ops.preemption import PreemptionNotice, any_rank
+from uc_checkpoint.ops.preemption import PreemptionNotice
 from uc_checkpoint.ops.ranks import RankGroup
 from uc_checkpoint.ops.root_view import RootView
+from uc_checkpoint.ops.schedule import SaveSchedule
 from uc_checkpoint.volumes import Volume, open_volume
 
 logger = logging.getLogger(__name__)
@@ -184,24 +185,20 @@ class CheckpointManager:
         self.process_group = process_group
         self.staging_dir = staging_dir
         self.write_pointer = write_pointer
-        self._inflight: tuple[int, Future] | None = None
+        self._pending: inflight.PendingSave | None = None
         # The staging of the save in flight, while async staging may still be reading the state.
         self._staging: Future | None = None
         #: The :class:`~uc_checkpoint.observability.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
-        self._ranks = RankGroup(process_group, checked_timeout)
+        self._ranks = RankGroup(process_group, checked_timeout, name=self.root.url)
         # The root's checkpoints as rank 0 sees them, the steps known to be abandoned among them.
         self._view = RootView(self.root, attempts=list_attempts, backoff_s=list_backoff_s)
         # Lineage (see uc_checkpoint.ops.lineage): the step this manager loaded, and whether its
         # first save checked for a rollback.
         self._resumed_from: int | None = None
         self._lineage_checked = False
-        self._schedule = (
-            None
-            if save_interval is None
-            else SaveSchedule(save_interval, self.root.url, process_group, timeout=self._ranks.timeout)
-        )
+        self._schedule = None if save_interval is None else SaveSchedule(save_interval, self._ranks)
         #: The MLflow run id the checkpoint last loaded recorded (None: none, or nothing loaded).
         self.resumed_mlflow_run_id: str | None = None
 
@@ -292,7 +289,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether to :meth:`save` at ``step`` by the ``save_interval`` policy: every rank calls it
         at every step and gets the same answer, without collectives
-        (:class:`~uc_checkpoint.ops.interval.SaveSchedule`). Stays True until :meth:`save`.
+        (:class:`~uc_checkpoint.ops.schedule.SaveSchedule`). Stays True until :meth:`save`.
 
         Raises:
             ValueError: the manager has no ``save_interval``, or ``step`` is negative.
@@ -370,7 +367,7 @@ class CheckpointManager:
             self._record(SaveEvent(step, location.url, pending.elapsed_s(), error=one_line(exc)), pending)
             raise
         pending.blocked_s = pending.elapsed_s()
-        self._inflight = (step, pending.done)
+        self._pending = pending
         if staging is not None:
             self._staging = staging
             staging.add_done_callback(partial(inflight.staged, pending))
@@ -418,9 +415,9 @@ class CheckpointManager:
             PeerTimeoutError: a peer did not take part in the save's collectives within ``timeout``.
         """
         self.wait_until_staged()
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight[1].result()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.done.result()
 
     def _after_publish(self, step: int, fut: Future) -> None:
         """Housekeeping on rank 0 after ``step`` was published: the ``latest`` pointer, then
@@ -481,7 +478,7 @@ class CheckpointManager:
         in flight protected too."""
         if self.keep_last is None:
             return []
-        keep = set(protect) | ({self._inflight[0]} if self._inflight is not None else set())
+        keep = set(protect) | ({self._pending.step} if self._pending is not None else set())
         return self._view.prune(
             infos,
             keep_last=self.keep_last,
@@ -515,12 +512,7 @@ class CheckpointManager:
         Raises:
             PeerTimeoutError: a peer did not take part within ``timeout`` (see the class docstring).
         """
-        if not self._ranks.distributed():
-            return self._preemption.received
-        return self._ranks.collective(
-            f"agree on preemption under {self.root.url}",
-            lambda: any_rank(self._preemption.received, self._ranks.agree_group()),
-        )
+        return self._ranks.any_rank(f"agree on preemption under {self.root.url}", self._preemption.received)
 
     def save_final(self, step: int, state_dict: dict[str, Any], budget_s: float = 60.0) -> bool:
         """The last checkpoint before a preemption: wait for the save in flight, then save ``step``
@@ -541,22 +533,22 @@ class CheckpointManager:
         """
         deadline = time.monotonic() + budget_s
         self.wait_until_staged()  # a copy is a few seconds at most; the state is needed right after
-        inflight, self._inflight = self._inflight, None
+        pending, self._pending = self._pending, None
         landed = False
-        if inflight is not None:
+        if pending is not None:
             # Told apart by futures_wait, not by the exception result() raises: DCP's
             # CheckpointException is a BaseException, and PeerTimeoutError is a TimeoutError,
             # which is what result() raises when the wait runs out.
-            done, _ = futures_wait([inflight[1]], timeout=max(0.0, deadline - time.monotonic()))
+            done, _ = futures_wait([pending.done], timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                self._inflight = inflight
+                self._pending = pending
                 logger.error(
                     "checkpoint manager: the save of step %d did not finish within %.0f s; no final save",
-                    inflight[0],
+                    pending.step,
                     budget_s,
                 )
                 return False
-            failure = inflight[1].exception()
+            failure = pending.done.exception()
             if isinstance(failure, PeerTimeoutError):
                 raise failure  # the ranks lost contact: no save can agree now
             if failure is None:
@@ -564,10 +556,10 @@ class CheckpointManager:
             else:  # the final save below supersedes it
                 logger.warning(
                     "checkpoint manager: the save of step %d failed (%s); taking the final save",
-                    inflight[0],
+                    pending.step,
                     one_line(failure),
                 )
-        if landed and inflight is not None and inflight[0] == step:
+        if landed and pending is not None and pending.step == step:
             return True  # this step is already saved
         started = time.monotonic()
         self._save(step, state_dict, asynchronous=False)

@@ -3,7 +3,7 @@
 Schedulers and spot/preemptible VMs send SIGTERM some seconds before they kill a job. Nothing can be
 saved from inside a signal handler (collectives and file I/O are not safe there), so the handler
 records the signal and the training loop, at its next step boundary, asks every rank whether any of
-them was told (:func:`any_rank`) and then takes a final save together
+them was told (:meth:`uc_checkpoint.ops.ranks.RankGroup.any_rank`) and then takes a final save together
 (:meth:`uc_checkpoint.ops.manager.CheckpointManager.save_final`).
 """
 
@@ -12,9 +12,6 @@ from __future__ import annotations
 import signal
 from types import FrameType
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 
 class PreemptionNotice:
@@ -52,12 +49,4 @@ class PreemptionNotice:
         self.signal = signum
 
 
-def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    """Whether ``flag`` is set on any rank of ``group`` (a MAX all-reduce over it): every rank of
-    the group must call this at the same point, and every rank gets the same answer."""
-    box = torch.tensor([int(flag)])
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
-    return bool(box.item())
-
-
-__all__ = ["PreemptionNotice", "any_rank"]
+__all__ = ["PreemptionNotice"]

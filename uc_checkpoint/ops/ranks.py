@@ -1,6 +1,9 @@
-"""How the ranks of a :class:`~uc_checkpoint.ops.manager.CheckpointManager` agree: rank 0 decides,
-every rank gets its answer or its error, on gloo groups of the manager's own (:class:`RankGroup`),
-and a peer that stops answering fails the call within the job's timeout (:func:`hung_peer`).
+"""How the ranks of a :class:`~uc_checkpoint.ops.manager.CheckpointManager` agree, all through one
+object, :class:`RankGroup`: rank 0's result or error handed to every rank (:meth:`RankGroup.on_leader`,
+a broadcast), whether a flag is set on any rank (:meth:`RankGroup.any_rank`, an all-reduce), both on
+gloo groups of the manager's own, and rank 0's decision handed over the c10d store without a
+collective (:meth:`RankGroup.decided`). A peer that stops answering fails each of them within the
+job's timeout (:func:`hung_peer`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from uc_checkpoint.dcp import compat
@@ -77,17 +81,29 @@ class RankGroup:
     peer; after one, the groups are unusable (gloo closes the pairs) and every later collective of
     this object raises at once.
 
+    Decisions handed over the c10d store (:meth:`decided`) need no group: the training thread may
+    take them while a save's collectives run, and a rank waits only for rank 0, never in a
+    collective.
+
     Args:
         process_group: the caller's group (None: every rank).
         timeout: the longest wait for a peer; None: the default group's timeout (what
             ``init_process_group(timeout=...)`` set, the job's), read at first use. Not
             ``process_group``'s: a group made with ``new_group()`` has torch's default, not the
             job's.
+        name: what tells this group's store keys from other groups' (the manager passes its root
+            URL; see :meth:`store_key`).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None, timeout: timedelta | None = None, *, name: str = ""
+    ) -> None:
         self.process_group = process_group
+        self.name = name
         self._timeout = timeout
+        # The default group's store and this group's key prefix in it (store_key), set at first use.
+        self._store: Any = None
+        self._prefix: str | None = None
         self._pair: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (save, agree)
         # The first peer timeout of these groups, raised again by every later collective.
         self._failure: PeerTimeoutError | None = None
@@ -214,6 +230,86 @@ class RankGroup:
         if error is not None:
             raise error
         raise rebuild_error(*portable) from remote
+
+    def any_rank(self, what: str, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank of the group (a MAX all-reduce on
+        :meth:`agree_group`; ``what`` names the operation in messages): every rank must call this
+        at the same point, and every rank gets the same answer. Without a process group, ``flag``.
+
+        Raises:
+            PeerTimeoutError: a peer did not take part within :meth:`timeout`.
+        """
+        if not self.distributed():
+            return flag
+        box = torch.tensor([int(flag)])
+        self.collective(what, lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.agree_group()))
+        return bool(box.item())
+
+    def store_key(self, key: str) -> str:
+        """The c10d store key of this group's decision ``key`` (:meth:`decided`):
+        ``uc_checkpoint/decided/<name>/<leader>/<serial>/<key>``, where ``<leader>`` is rank 0 of the
+        group as a global rank and ``<serial>`` counts this rank's groups of that name and leader
+        (their first :meth:`store_key`): ranks create their managers of a root in the same order, so
+        the n-th group on every rank shares keys with the n-th one on the others. The counter is one
+        store key per rank and name (``.../<leader>/groups/<rank>``), kept for the job.
+
+        Raises:
+            ValueError (torch's): the default process group is not initialised.
+        """
+        if self._prefix is None:
+            self._store = compat.default_store()
+            leader = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)[0]
+            base = f"uc_checkpoint/decided/{self.name}/{leader}"
+            serial = self._store.add(f"{base}/groups/{dist.get_rank()}", 1)
+            self._prefix = f"{base}/{serial}"
+        return f"{self._prefix}/{key}"
+
+    def decided(self, what: str, key: str, make: Callable[[], bytes]) -> bytes:
+        """``make()`` run on rank 0 of the group, and its bytes handed to every rank through the
+        default group's c10d store (``set``/``wait``/``get``, requests to the store, not
+        collectives: the training thread may call this while a save's collectives run in the
+        background). Without a process group, ``make()``.
+
+        Rank 0 sets the value under :meth:`store_key` and goes on; every other rank waits for it, at
+        most :meth:`timeout`, reads it and counts itself as a reader (``add`` on a counter beside
+        it); the last reader deletes the value and the counter, so a decision read by every rank
+        leaves no key in the store.
+
+        Args:
+            what: the operation, named in a timeout's message (e.g. "receive the decision whether
+                to save at step 5 for s3://...").
+            key: the decision's name in this group: the same on every rank, used once.
+            make: the decision (rank 0 only).
+
+        Raises:
+            PeerTimeoutError: (a rank other than 0) rank 0 did not decide within :meth:`timeout`:
+                it is hung, stopped or unreachable. Nothing is recorded: the groups' collectives
+                are untouched by a store's wait.
+            Whatever ``make`` raises, on rank 0 (the others then wait for it until the timeout).
+        """
+        if not self.distributed():
+            return make()
+        full = self.store_key(key)
+        store = self._store
+        if self.is_leader():
+            value = make()
+            store.set(full, value)
+            return value
+        timeout = self.timeout()
+        started = time.monotonic()
+        try:
+            store.wait([full], timeout)
+            value = bytes(store.get(full))
+        except RuntimeError as exc:
+            if not timed_out(exc):
+                raise
+            leader = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)[0]
+            raise hung_peer(what, f"rank {leader}", timeout, exc, time.monotonic() - started) from exc
+        readers = dist.get_world_size(self.process_group) - 1
+        if store.add(f"{full}/readers", 1) == readers:
+            store.delete_key(full)
+            store.delete_key(f"{full}/readers")
+        return value
 
 
 __all__ = ["RankGroup", "describe_ranks", "hung_peer", "timed_out"]

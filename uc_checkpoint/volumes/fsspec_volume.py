@@ -45,6 +45,7 @@ from uc_checkpoint.errors import (
 from uc_checkpoint.format.integrity import Digest, FileRecord
 from uc_checkpoint.volumes.base import Entry, FileStat, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path
+from uc_checkpoint.volumes.process_local import ProcessLocal
 from uc_checkpoint.volumes.ranged import RangedStream
 from uc_checkpoint.volumes.retry import retry
 
@@ -88,33 +89,27 @@ class FsspecVolume(Volume):
         path = canonical_key_path(fs_class._strip_protocol(url), url)
         self.url = f"{protocol}://{path}"
         self.storage_options = storage_options
-        self._fs: Any = None
-        self._root: str | None = None
+        # This process's (filesystem, root path), resolved on first use; a pickled copy resolves its own.
+        self._resolved: ProcessLocal[tuple[Any, str]] = ProcessLocal()
 
     def __repr__(self) -> str:
         return f"FsspecVolume({self.url!r})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_fs"] = None
-        state["_root"] = None
-        return state
+    def _resolve(self) -> tuple[Any, str]:
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(self.url, **self.storage_options)
+        return fs, root
 
     @property
     def fs(self) -> Any:
-        """The fsspec filesystem (resolved on first use)."""
-        if self._fs is None:
-            from fsspec.core import url_to_fs
-
-            self._fs, self._root = url_to_fs(self.url, **self.storage_options)
-        return self._fs
+        """The fsspec filesystem (resolved on first use in each process)."""
+        return self._resolved.get(self._resolve)[0]
 
     @property
     def root(self) -> str:
         """The location's path inside :attr:`fs`."""
-        self.fs  # noqa: B018 - resolves _root
-        assert self._root is not None
-        return self._root.rstrip("/")
+        return self._resolved.get(self._resolve)[1].rstrip("/")
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"

@@ -36,8 +36,10 @@ from uc_checkpoint.format.integrity import Digest, FileRecord, composite_crc32_b
 from uc_checkpoint.format.layout import is_checkpoint_file
 from uc_checkpoint.volumes.base import Entry, FileStat, Volume
 from uc_checkpoint.volumes.locations import canonical_key_path, check_bucket_name
+from uc_checkpoint.volumes.process_local import ProcessLocal
 from uc_checkpoint.volumes.retry import retry
-from uc_checkpoint.volumes.s3_client import ClientSettings, SharedClient, Transfers, read_body_into
+from uc_checkpoint.volumes.s3_client import ClientSettings, SharedClient, read_body_into
+from uc_checkpoint.volumes.workers import Workers
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -168,7 +170,9 @@ class S3Volume(Volume):
             raise VolumeError(f"sign_payload must be True, False or None, got {sign_payload!r}")
         self.sign_payload = sign_payload
         self._shared = SharedClient(client)
-        self._transfers = Transfers()
+        # This volume object's s3transfer manager, in each process: a forked child inherits the
+        # parent's manager but not its worker threads (a transfer submitted there would wait forever).
+        self._transfers: ProcessLocal[Any] = ProcessLocal()
 
     def __repr__(self) -> str:
         return f"S3Volume({self.url!r})"
@@ -211,15 +215,12 @@ class S3Volume(Volume):
             )
         state = dict(self.__dict__)
         state["_shared"] = self._shared.retries  # the count travels; the client and locks do not
-        state["_transfers"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         retries = state.pop("_shared")
         self.__dict__.update(state)
-        self._shared = SharedClient()
-        self._shared.add_retries(retries)
-        self._transfers = Transfers()
+        self._shared = SharedClient(retries=retries)
 
     def _send_checksums(self) -> bool:
         """Whether uploads carry a CRC-32 for the store to check and keep."""
@@ -250,9 +251,7 @@ class S3Volume(Volume):
     @property
     def client(self) -> Any:
         """The boto3 S3 client (built on first use, shared with :meth:`child` volumes)."""
-        # Inherited through fork: the parent's client (its connections) and locks stay there.
-        shared = self._shared = self._shared.for_this_process()
-        return shared.take(self.client_factory, self._client_settings())
+        return self._shared.take(self.client_factory, self._client_settings())
 
     def _client_settings(self) -> ClientSettings:
         """What this volume's client is built from (the cache key, with the environment)."""
@@ -280,10 +279,21 @@ class S3Volume(Volume):
         )
 
     def _transfer_manager(self) -> Any:
-        return self._transfers.get(self.client, lambda: self.transfer_config)
+        """This process's s3transfer ``TransferManager`` of this volume object, made on first use.
+        It runs on our threads, not ThreadPoolExecutor's: a save running while the interpreter
+        exits goes on uploading (see :mod:`uc_checkpoint.volumes.workers`)."""
+        return self._transfers.get(self._new_transfer_manager)
+
+    def _new_transfer_manager(self) -> Any:
+        from s3transfer.manager import TransferManager
+
+        return TransferManager(self.client, self.transfer_config, executor_cls=Workers)
 
     def close(self) -> None:
-        self._transfers.close()
+        """Shut this process's transfer manager down (a later transfer makes another)."""
+        manager = self._transfers.take()
+        if manager is not None:
+            manager.shutdown()
 
     # ---- names --------------------------------------------------------------------------------
     def key(self, name: str) -> str:

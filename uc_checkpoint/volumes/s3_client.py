@@ -9,7 +9,6 @@ shared, our event handlers on them, and a response body received in place.
 - :func:`hook_up` registers our handlers once per client: the retries behind each call
   (:class:`RetryCounter`), the part CRC-32s of multipart uploads (:class:`PartChecksums`), and no
   stored-checksum check of ranged GETs.
-- :class:`Transfers` is one volume object's s3transfer ``TransferManager``, per process.
 - :func:`read_body_into` receives a GET's body straight into the caller's buffers. It reads
   botocore's and urllib3's private attributes (``_raw_stream``, ``_fp``, ``_content_length``) and
   falls back to ``read()`` where they are missing.
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from uc_checkpoint.format.integrity import crc32_base64
-from uc_checkpoint.volumes.workers import Workers
+from uc_checkpoint.volumes.process_local import ProcessLocal
 
 
 class RetryCounter:
@@ -240,13 +239,28 @@ class ClientCache:
 CLIENTS = ClientCache()
 
 
+class _ClientHere:
+    """What a :class:`SharedClient` holds in one process: its client, that client's retry counter
+    (and the count when it was taken), and the retries the volumes added themselves."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.hooks: ClientHooks | None = None
+        self.base = 0
+        self.own = 0
+        self.client_lock = threading.Lock()  # one client is taken, even when threads race for it
+        self.own_lock = threading.Lock()
+
+
 class SharedClient:
     """What a volume shares with the volumes :meth:`~uc_checkpoint.volumes.s3.S3Volume.child` and
     :meth:`~uc_checkpoint.volumes.s3.S3Volume.with_location` make from it: one boto3 client
     (thread-safe, taken on first use by whichever of them needs it first, from :data:`CLIENTS`
     unless given) and the count of the retries its requests needed. Everything else (settings,
-    the transfer manager) belongs to each volume. Holds locks and a client, so it never crosses
-    processes: an unpickled volume starts a new one.
+    the transfer manager) belongs to each volume. The client and its locks belong to one process
+    (a :class:`~uc_checkpoint.volumes.process_local.ProcessLocal`): a forked child, or an unpickled
+    volume, takes a client of its own and counts its own retries. A client given by the caller is
+    kept in a forked child (the caller's to share or not).
 
     The retry count is what this volume family added itself (bodies cut off and fetched again)
     plus the client's retries since the family took the client: a client shared with volumes
@@ -254,85 +268,62 @@ class SharedClient:
 
     Args:
         client: a ready boto3 S3 client (the volume then refuses to be pickled), or None.
+        retries: retries counted before (an unpickled volume's count).
     """
 
-    def __init__(self, client: Any = None) -> None:
-        self.pid = os.getpid()
-        self.client: Any = None
-        self.explicit_client = client is not None
-        self.client_lock = threading.Lock()  # one client is taken, even when threads race for it
-        self._own = 0
-        self._own_lock = threading.Lock()
-        self._counter: RetryCounter | None = None
-        self._base = 0
-        self.part_checksums: PartChecksums | None = None
+    def __init__(self, client: Any = None, *, retries: int = 0) -> None:
+        self.given_client = client
+        self._carried = retries
+        self._here: ProcessLocal[_ClientHere] = ProcessLocal()
         if client is not None:
-            self.bind(client, hook_up(client))
+            self.take(None, None)
 
-    def bind(self, client: Any, hooks: ClientHooks) -> None:
-        self.client, self._counter, self._base = client, hooks.retries, hooks.retries.count
-        self.part_checksums = hooks.part_checksums
+    @property
+    def explicit_client(self) -> bool:
+        """Whether the client was given by the caller."""
+        return self.given_client is not None
+
+    @property
+    def client(self) -> Any:
+        """This process's client if one was taken (None before first use)."""
+        here = self._here.peek()
+        return None if here is None else here.client
+
+    @property
+    def part_checksums(self) -> PartChecksums | None:
+        """The part CRC-32 registry of this process's client (None before first use)."""
+        here = self._here.peek()
+        return None if here is None or here.hooks is None else here.hooks.part_checksums
 
     @property
     def retries(self) -> int:
-        client_retries = 0 if self._counter is None else self._counter.count - self._base
-        return self._own + client_retries
+        here = self._here.peek()
+        if here is None:
+            return self._carried
+        client_retries = 0 if here.hooks is None else here.hooks.retries.count - here.base
+        return self._carried + here.own + client_retries
 
     def add_retries(self, n: int) -> None:
-        with self._own_lock:
-            self._own += n
+        here = self._here.get(_ClientHere)
+        with here.own_lock:
+            here.own += n
 
-    def for_this_process(self) -> SharedClient:
-        """This share, or in a forked child a new one (with the retry count): the parent's client
-        (its connections) and locks stay with the parent. A client given by the caller is kept."""
-        if self.pid == os.getpid() or self.explicit_client:
-            return self
-        fresh = SharedClient()
-        fresh.add_retries(self.retries)
-        return fresh
-
-    def take(self, factory: Callable[[], Any] | None, settings: ClientSettings) -> Any:
-        """The shared client, taken on first use: from ``factory`` when given (never cached), else
-        from :data:`CLIENTS` for ``settings``."""
-        with self.client_lock:
-            if self.client is None:
-                if factory is not None:
+    def take(self, factory: Callable[[], Any] | None, settings: ClientSettings | None) -> Any:
+        """The shared client, taken on first use in this process: the one given, else from
+        ``factory`` when given (never cached), else from :data:`CLIENTS` for ``settings``."""
+        here = self._here.get(_ClientHere)
+        with here.client_lock:
+            if here.client is None:
+                if self.given_client is not None:
+                    client, hooks = self.given_client, hook_up(self.given_client)
+                elif factory is not None:
                     client = factory()
-                    self.bind(client, hook_up(client))
+                    hooks = hook_up(client)
                 else:
-                    self.bind(*CLIENTS.get(settings, functools.partial(make_client, settings)))
-            return self.client
-
-
-class Transfers:
-    """One volume object's s3transfer ``TransferManager``, made on first use in each process: a
-    forked child inherits the parent's manager but not its worker threads, and a transfer
-    submitted there would wait forever. It runs on our threads, not ThreadPoolExecutor's: a save
-    running while the interpreter exits goes on uploading (see :mod:`uc_checkpoint.volumes.workers`).
-    Holds a lock: a volume sent to another process starts a new one."""
-
-    def __init__(self) -> None:
-        self._manager: Any = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    def get(self, client: Any, config: Callable[[], Any]) -> Any:
-        """The manager, made with ``client`` and ``config()`` (a ``TransferConfig``) if this
-        process has none yet."""
-        with self._lock:
-            if self._manager is None or self._pid != os.getpid():
-                from s3transfer.manager import TransferManager
-
-                self._manager = TransferManager(client, config(), executor_cls=Workers)
-                self._pid = os.getpid()
-            return self._manager
-
-    def close(self) -> None:
-        """Shut the manager down (in the process that made it); a later :meth:`get` makes another."""
-        with self._lock:
-            manager, self._manager = self._manager, None
-        if manager is not None and self._pid == os.getpid():
-            manager.shutdown()
+                    assert settings is not None
+                    client, hooks = CLIENTS.get(settings, functools.partial(make_client, settings))
+                here.hooks, here.base, here.client = hooks, hooks.retries.count, client
+            return here.client
 
 
 @functools.cache
@@ -470,7 +461,6 @@ __all__ = [
     "PartChecksums",
     "RetryCounter",
     "SharedClient",
-    "Transfers",
     "hook_up",
     "make_client",
     "read_body_into",

@@ -51,6 +51,7 @@ from uc_checkpoint.data.readers.fingerprint import content_fingerprint, version_
 from uc_checkpoint.engine.staging_dir import default_staging_root
 from uc_checkpoint.errors import CorruptCheckpointError, DataFormatError, DataLoadingError, DatasetMismatchError
 from uc_checkpoint.volumes import FileStat, LocalVolume, Volume, open_volume
+from uc_checkpoint.volumes.process_local import ProcessLocal
 from uc_checkpoint.volumes.ranged import RangedStream
 
 logger = logging.getLogger(__name__)
@@ -282,28 +283,16 @@ class ShardReader(ABC):
         self.volume = open_volume(location, **(volume_options or {}))
         self.files = None if files is None else [str(f) for f in files]
         self.index_cache = IndexCache(index_dir)
-        self._cache: dict[Any, Any] = {}  # per process: open files, parsed indexes, checks; not pickled
-        self._cache_pid = os.getpid()
+        self._cache: ProcessLocal[dict[Any, Any]] = ProcessLocal()  # open files, parsed indexes, checks
         # name -> (version stamp, content fingerprint) as shards() saw them; travels to workers
         self._listed: dict[str, tuple[str, str]] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_cache"] = {}
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._cache_pid = os.getpid()
 
     @property
     def cache(self) -> dict[Any, Any]:
         """This process's open files, parsed indexes and shard checks: a forked worker starts with an
-        empty one (no file position or client shared with its parent, every shard checked again)."""
-        if self._cache_pid != os.getpid():
-            self._cache = {}
-            self._cache_pid = os.getpid()
-        return self._cache
+        empty one (no file position or client shared with its parent, every shard checked again), as
+        does a pickled copy (a spawned worker)."""
+        return self._cache.get(dict)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.volume.url!r})"
