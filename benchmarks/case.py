@@ -52,7 +52,7 @@ blocked time). Save cases then measure, in this order:
    volume itself, exists; polled every 5 ms by rank 0), then waits for the future; ours
    (with ``--kept-buffers``) with a :class:`~uc_checkpoint.StagingBuffers`, empty before this save;
 2b. ours with ``--kept-buffers`` (the direct-S3 cases): ``dcp.async_save`` again to ``<dest>-kept`` with the same buffers, which the save
-   of step 2 filled: ``blocked_kept_s`` (what ``CheckpointManager(reuse_staging_buffers=True)``
+   of step 2 filled: ``blocked_kept_s`` (what ``CheckpointManager(staging=Staging(reuse_buffers=True))``
    blocks from its second save on); the buffers are freed after it;
 3. ``dcp.load`` into zeros: ``load_s``, and the loaded state is compared with what was saved,
    tensor by tensor (a mismatch fails the case).
@@ -291,7 +291,7 @@ def run_save_load(args: argparse.Namespace, sd: Any, mesh: Any, rank: int) -> di
     out["async_done_s"] = time.perf_counter() - t0
     out["async_peak_extra_bytes"] = peak_rss_above(base)
     if buffers is not None:
-        # 2b. ours again, copying into the kept buffers: CheckpointManager(reuse_staging_buffers=True)
+        # 2b. ours again, copying into the kept buffers: CheckpointManager(staging=Staging(reuse_buffers=True))
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()

@@ -490,10 +490,10 @@ def _writer_settings(volume: Path) -> dict[str, Any]:
     """The writer's settings every save used (its defaults)."""
     w = UCVolumeWriter(str(volume / "settings"))
     return {
-        "upload_workers": w.upload_workers,
-        "thread_count": w.thread_count,
-        "sync_files": w.sync_volume,
-        "file_size_bytes": w.file_size_bytes,
+        "upload_workers": w.options.upload_workers,
+        "thread_count": w.options.thread_count,
+        "sync_files": w.options.sync_files,
+        "file_size_bytes": w.options.file_size_bytes,
     }
 
 

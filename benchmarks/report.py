@@ -210,7 +210,7 @@ def cost_targets(m: dict[tuple[Combo, str], dict[str, float]], combo: Combo) -> 
     )
     if "blocked_kept_s" in u:
         add(
-            "the same, staging buffers kept between saves (reuse_staging_buffers=True, 2nd save on)",
+            "the same, staging buffers kept between saves (Staging(reuse_buffers=True), 2nd save on)",
             "<= 1.1x",
             ratio(u.get("blocked_kept_s"), combo_memcopy(m, combo)),
             lambda v: v <= 1.1,

@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from uc_checkpoint.dcp.options import Staging
+
 from .run import case_env, host_facts
 from .servers import FAKE_ENV, localbucket_available, localbucket_process, make_bucket, moto_process
 from .usage import peak_rss_bytes
@@ -413,7 +415,7 @@ def _checkpoints_point(work: Path, n: int, reps: int) -> dict[str, Any]:
 
         client = s3_client(st.direct)
         root = f"s3://{BUCKET}/run"
-        CheckpointManager(S3Volume(root, endpoint_url=st.direct), keep_last=None, async_save=False).save(
+        CheckpointManager(S3Volume(root, endpoint_url=st.direct), keep_last=None, staging=Staging(mode="sync")).save(
             1, tiny_state(1)
         )
         first = checkpoint_name(1)
@@ -431,11 +433,11 @@ def _checkpoints_point(work: Path, n: int, reps: int) -> dict[str, Any]:
         vol.client  # noqa: B018 - built before counting
         row: dict[str, Any] = {"checkpoints": n, "objects_per_checkpoint": len(keys)}
         got, row["latest_s"], row["latest_requests"] = _timed(
-            lambda: CheckpointManager(vol, async_save=False).latest(), st.proxy, max(3, reps)
+            lambda: CheckpointManager(vol, staging=Staging(mode="sync")).latest(), st.proxy, max(3, reps)
         )
         assert got == n, f"latest() returned {got}, expected {n}"
         got, row["list_s"], row["list_requests"] = _timed(
-            lambda: CheckpointManager(vol, async_save=False).list(), st.proxy, reps
+            lambda: CheckpointManager(vol, staging=Staging(mode="sync")).list(), st.proxy, reps
         )
         assert len(got) == n, f"list() returned {len(got)} checkpoints, expected {n}"
         got, row["ls_s"], row["ls_requests"] = _timed(lambda: list_root(vol), st.proxy, reps)
@@ -450,7 +452,7 @@ def _checkpoints_point(work: Path, n: int, reps: int) -> dict[str, Any]:
         _, row["store_list_s"], _ = _timed(one.list_files, st.proxy, max(3, reps))
         # A save's housekeeping with every checkpoint kept (keep_every=1): the second save of a
         # resumed run (the first also checks for a rollback).
-        manager = CheckpointManager(vol, keep_last=2, keep_every=1, async_save=False)
+        manager = CheckpointManager(vol, keep_last=2, keep_every=1, staging=Staging(mode="sync"))
         manager.latest()
         manager.save(n + 1, tiny_state(n + 1))
         _, row["save_s"], row["save_requests"] = _timed(lambda: manager.save(n + 2, tiny_state(n + 2)), st.proxy, 1)

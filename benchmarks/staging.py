@@ -18,10 +18,10 @@ the next measurement, and is not part of any figure):
 
 * ``uc``: ``async_save(storage_writer=UCVolumeWriter(...))``: the writer is the stager (``stage()``);
 * ``uc-async``: ``async_stager=BackgroundStager()``: the same copy in a thread of its own (what
-  ``CheckpointManager(async_staging=True)`` uses);
+  ``CheckpointManager(staging=Staging(background_copy=True))`` uses);
 * ``uc-reused``: ``UCVolumeWriter(..., staging_buffers=StagingBuffers())`` with one
   ``StagingBuffers`` kept across saves: the writer's ``stage()`` copies into the last save's
-  tensors (what ``CheckpointManager(reuse_staging_buffers=True)`` uses; compare with ``copy_into``);
+  tensors (what ``CheckpointManager(staging=Staging(reuse_buffers=True))`` uses; compare with ``copy_into``);
 * ``dcp-sync`` / ``dcp-async``: ``async_stager=DefaultStager(StagingOptions(use_pinned_memory=False,
   use_shared_memory=False, use_async_staging=False/True, use_non_blocking_copy=False))``, a new
   stager per save (so it allocates, as ``clone`` does);

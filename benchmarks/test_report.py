@@ -412,7 +412,7 @@ def test_the_kept_buffers_blocked_time_is_its_own_row() -> None:
             r["blocked_kept_s"] = {0: 0.05, 1: 0.04, 2: 0.2}[r["repeat"]]  # median 0.05
     combo = ("gpt", 32, 1, "moto")
     rows = {label: (want, got, ok) for label, want, got, ok in cost_targets(medians(results), combo)}
-    label = "the same, staging buffers kept between saves (reuse_staging_buffers=True, 2nd save on)"
+    label = "the same, staging buffers kept between saves (Staging(reuse_buffers=True), 2nd save on)"
     assert rows[label] == ("<= 1.1x", "0.50x", True)  # against the 0.1 s copy
     # runs without that measure (older ones, other cases) have no such row
     assert label not in {r[0] for r in cost_targets(medians(_costs(32, uc_save=0.3, naive_save=0.2)), combo)}

@@ -31,6 +31,7 @@ from boto3.s3.transfer import TransferConfig
 
 from tests.support.s3_fixtures import s3_client
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import ReaderOptions
 from uc_checkpoint.volumes import S3Volume
 
 # Quick mode (--benchmark-disable, as in CI): 4 MiB, once, so the module cannot rot.
@@ -153,7 +154,7 @@ def test_dcp_load(benchmark, s3_server: str, uploaded: tuple[str, str]) -> None:
     nbytes = sum(s for n, s in vol.list_files().items() if n.endswith(".distcp"))
 
     def run() -> None:
-        dcp.load(out, storage_reader=UCVolumeReader(vol, download_workers=CONCURRENCY))
+        dcp.load(out, storage_reader=UCVolumeReader(vol, options=ReaderOptions(download_workers=CONCURRENCY)))
 
     benchmark.pedantic(run, rounds=ROUNDS, iterations=1)
     assert torch.equal(out["layer0.weight"], state_dict()["layer0.weight"])

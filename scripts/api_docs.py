@@ -23,7 +23,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("uc_checkpoint.dcp.stager", ["BackgroundStager"]),
     ("uc_checkpoint.dcp.buffers", ["StagingBuffers", "BufferLease"]),
     ("uc_checkpoint.ops.manager", ["CheckpointManager", "CheckpointInfo"]),
-    ("uc_checkpoint.ops.options", ["WriterOptions", "ReaderOptions"]),
+    ("uc_checkpoint.dcp.options", ["WriterOptions", "ReaderOptions", "Staging"]),
     (
         "uc_checkpoint.ops.interval",
         ["EverySteps", "EverySeconds", "BlockedFraction", "YoungDaly", "Tighter", "Looser", "IntervalPolicy"],

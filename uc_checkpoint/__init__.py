@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from uc_checkpoint.data.loading import TrackedDataLoader, TrackedShardDataset, TrackerStateful
     from uc_checkpoint.data.tracker import DataTracker, ShardSpec
     from uc_checkpoint.dcp.buffers import StagingBuffers
+    from uc_checkpoint.dcp.options import ReaderOptions, Staging, WriterOptions
     from uc_checkpoint.dcp.planner import UCSavePlanner
     from uc_checkpoint.dcp.reader import UCVolumeReader
     from uc_checkpoint.dcp.writer import UCVolumeWriter
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
         YoungDaly,
     )
     from uc_checkpoint.ops.manager import CheckpointManager
-    from uc_checkpoint.ops.options import ReaderOptions, WriterOptions
     from uc_checkpoint.ops.summary import describe_checkpoint, list_root
     from uc_checkpoint.ops.verify import verify_checkpoint
     from uc_checkpoint.volumes import FsspecVolume, LocalVolume, MemoryVolume, S3Volume, Volume, open_volume
@@ -102,8 +102,9 @@ _LAZY = {
     "FsspecVolume": ".volumes",
     "open_volume": ".volumes",
     "MemoryVolume": ".volumes",
-    "WriterOptions": ".ops.options",
-    "ReaderOptions": ".ops.options",
+    "WriterOptions": ".dcp.options",
+    "ReaderOptions": ".dcp.options",
+    "Staging": ".dcp.options",
 }
 
 
@@ -160,6 +161,7 @@ __all__ = [
     "RemoteRankError",
     "StagingError",
     "StateChangedWhileStagingError",
+    "Staging",
     "StagingBuffers",
     "TrackerStateError",
     "TransferError",

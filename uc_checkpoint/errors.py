@@ -130,7 +130,7 @@ class PeerTimeoutError(UCCheckpointError, TimeoutError):
 class UnsafeMetadataError(CorruptCheckpointError):
     """A checkpoint's ``.metadata`` pickle names a global (a function or class) that is not part of
     DCP's metadata format, so it was not unpickled: loading it could run arbitrary code. The message
-    names the file and the refused global. ``UCVolumeReader(..., allow_unsafe_metadata=True)`` trusts
+    names the file and the refused global. ``UCVolumeReader(..., options=ReaderOptions(allow_unsafe_metadata=True))`` trusts
     such a file."""
 
 

@@ -18,6 +18,7 @@ import torch
 
 from uc_checkpoint.data.loading import TrackerStateful
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.manager import CheckpointManager
 
 SHARDS = [ShardSpec(f"part-{i:03d}.jsonl", 50) for i in range(6)]
@@ -34,7 +35,7 @@ def make_root(root: str) -> DataTracker:
     that never published, under ``root``."""
     tracker = DataTracker(SHARDS, seed=7)
     tracker.start_epoch(0)
-    manager = CheckpointManager(root, keep_last=None, async_save=False)
+    manager = CheckpointManager(root, keep_last=None, staging=Staging(mode="sync"))
     for step in (10, 20):
         tracker.record(0, 30)
         sd = {

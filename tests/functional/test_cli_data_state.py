@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from uc_checkpoint.data.tracker import DataTracker, ShardSpec
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.manager import CheckpointManager
 
 SHARDS = [ShardSpec(f"part-{i:03d}.jsonl", 40, f"size={1000 + i},mtime_ns=7") for i in range(4)]
@@ -37,7 +38,7 @@ def test_inspect_checks_the_digest_so_far(tmp_path: Path, staging: Path) -> None
     shard, start, end = tampered["remaining"][0]
     tampered["remaining"][0] = [shard, start - 1, end - 1]  # one sample read twice, one never
     states = {10: good, 20: tampered, 30: saved_state(exactly_once="off")}
-    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, async_save=False)
+    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, staging=Staging(mode="sync"))
     for step, state in states.items():
         manager.save(step, {"model": {"w": torch.zeros(4)}, "data": {"global_state": json.dumps(state)}})
 

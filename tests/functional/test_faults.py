@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.conftest import cause, causes, make_state_dict
 from tests.support.tmpfs import mounted_tmpfs
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import StagingError, VolumeError
 
 
@@ -40,7 +41,12 @@ def test_staging_disk_full(tmp_path: Path, tiny_staging: Path, staging: Path) ->
     before = sorted(p.name for p in dest.iterdir())
     big = {**state(2), **{f"more{i}": torch.randn(3 << 18) for i in range(4)}}  # 16 MiB in 3-4 MiB files
     with pytest.raises(CheckpointException) as exc:
-        dcp.save(big, storage_writer=UCVolumeWriter(dest, staging_dir=tiny_staging, file_size_bytes=3 << 20))
+        dcp.save(
+            big,
+            storage_writer=UCVolumeWriter(
+                dest, staging_dir=tiny_staging, options=WriterOptions(file_size_bytes=3 << 20)
+            ),
+        )
     ours = [e for e in causes(exc.value) if isinstance(e, StagingError)]
     assert ours, [repr(e) for e in causes(exc.value)]
     assert "is full" in str(ours[0]) and str(tiny_staging) in str(ours[0]), str(ours[0])  # what and where
@@ -76,7 +82,7 @@ def test_staging_dir_deleted_during_save(tmp_path: Path, staging: Path) -> None:
     meta_before = (dest / ".metadata").read_bytes()
     doomed = {**state(4, mib=16), "vandal": StagingVandal(staging)}
     with pytest.raises(CheckpointException) as exc:
-        dcp.save(doomed, storage_writer=UCVolumeWriter(dest, file_size_bytes=1 << 20))
+        dcp.save(doomed, storage_writer=UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=1 << 20)))
     ours = [e for e in causes(exc.value) if isinstance(e, StagingError)]
     assert ours and "disappeared during the save" in str(ours[0]), [repr(e) for e in causes(exc.value)]
     assert "UC_CHECKPOINT_STAGING_DIR" in str(ours[0])

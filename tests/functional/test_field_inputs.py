@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.conftest import REPO
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import ReaderOptions, Staging
 from uc_checkpoint.errors import CorruptCheckpointError, rank_error
 
 
@@ -24,7 +25,11 @@ def _sd() -> dict[str, torch.Tensor]:
 def _load_error(location: str | Path, *, prefetch: bool = True, **kwargs: object) -> BaseException:
     target = {"a": torch.zeros(300_000), "b": torch.zeros(1000)}
     with pytest.raises(BaseException) as info:
-        dcp.load(target, storage_reader=UCVolumeReader(location, prefetch_files=prefetch, **kwargs), no_dist=True)
+        dcp.load(
+            target,
+            storage_reader=UCVolumeReader(location, **kwargs, options=ReaderOptions(prefetch_files=prefetch)),
+            no_dist=True,
+        )
     return rank_error(info.value)
 
 
@@ -109,7 +114,7 @@ def test_a_stock_checkpoint_file_that_grew_is_read_only_as_far_as_its_items(tmp_
     victim = _data_file(loc)
     os.truncate(victim, 1 << 30)
     target = {"a": torch.zeros(300_000), "b": torch.zeros(1000)}
-    dcp.load(target, storage_reader=UCVolumeReader(loc, prefetch_files=True), no_dist=True)
+    dcp.load(target, storage_reader=UCVolumeReader(loc, options=ReaderOptions(prefetch_files=True)), no_dist=True)
     assert torch.equal(target["a"], sd["a"]) and torch.equal(target["b"], sd["b"])
 
 
@@ -233,7 +238,7 @@ def test_every_spelling_of_a_location_finds_the_same_checkpoint(location_base: t
         assert CheckpointManager(root).latest() == 5, root
         assert [s.step for s in list_root(root)] == [5], root
     # A manager root with a trailing slash saves where every other spelling finds it.
-    manager = CheckpointManager(_roots(kind, base)[1], async_save=False)
+    manager = CheckpointManager(_roots(kind, base)[1], staging=Staging(mode="sync"))
     manager.save(7, {"w": torch.full((16,), 7.0)})
     target = {"w": torch.zeros(16)}
     dcp.load(target, storage_reader=UCVolumeReader(f"{base}/run1/step_00000007"), no_dist=True)

@@ -13,6 +13,7 @@ import torch
 
 from tests.support.s3_fixtures import s3_client
 from uc_checkpoint.cli import main as cli_main
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.garbage import collect_garbage
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import S3Volume
@@ -31,7 +32,7 @@ def age(path: Path, seconds: float) -> None:
 
 def test_local_leftovers_collected_checkpoints_and_recent_files_spared(tmp_path: Path, staging: Path, capsys) -> None:
     root = tmp_path / "run"
-    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    manager = CheckpointManager(str(root), keep_last=None, staging=Staging(mode="sync"))
     manager.save(1, state(1))
     manager.save(2, state(2))
     for p in root.rglob("*"):
@@ -80,7 +81,7 @@ def test_local_leftovers_collected_checkpoints_and_recent_files_spared(tmp_path:
 
 def test_s3_incomplete_uploads_and_unpublished_objects(s3_server: str, s3_bucket: str, staging: Path) -> None:
     root = S3Volume(f"s3://{s3_bucket}/gc-run", endpoint_url=s3_server)
-    manager = CheckpointManager(root, keep_last=None, async_save=False)
+    manager = CheckpointManager(root, keep_last=None, staging=Staging(mode="sync"))
     manager.save(5, state(5))
     client = s3_client(s3_server)
     client.put_object(Bucket=s3_bucket, Key="gc-run/step_00000006/__0_eeee_0.distcp", Body=b"x" * 11)
@@ -110,7 +111,7 @@ def test_s3_incomplete_uploads_and_unpublished_objects(s3_server: str, s3_bucket
 
 def test_unreadable_metadata_leaves_the_location_alone(tmp_path: Path, staging: Path) -> None:
     root = tmp_path / "run"
-    CheckpointManager(str(root), async_save=False).save(1, state(1))
+    CheckpointManager(str(root), staging=Staging(mode="sync")).save(1, state(1))
     loc = root / "step_00000001"
     (loc / ".metadata").write_bytes(b"garbage")
     for p in loc.iterdir():

@@ -19,6 +19,7 @@ import torch
 
 from tests.conftest import REPO, SCRIPTS
 from tests.support import caching_fs  # noqa: F401 - registers the protocols
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.summary import list_root
 from uc_checkpoint.ops.verify import verify_checkpoint
@@ -77,8 +78,8 @@ def test_volume_sees_files_changed_behind_its_cache(tmp_path: Path, protocol: st
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_second_instance_sees_a_later_checkpoint(tmp_path: Path, staging: Path, protocol: str) -> None:
     url = f"{protocol}://{tmp_path / 'run'}"
-    publisher = CheckpointManager(FsspecVolume(url), keep_last=None, async_save=False)
-    watcher = CheckpointManager(FsspecVolume(url, skip_instance_cache=True), async_save=False)
+    publisher = CheckpointManager(FsspecVolume(url), keep_last=None, staging=Staging(mode="sync"))
+    watcher = CheckpointManager(FsspecVolume(url, skip_instance_cache=True), staging=Staging(mode="sync"))
     assert watcher.root.fs is not publisher.root.fs
     publisher.save(1, state(1))
     assert watcher.latest() == 1 and [i.step for i in watcher.list()] == [1]
@@ -97,8 +98,8 @@ def test_one_shared_instance_for_writer_and_watcher(tmp_path: Path, staging: Pat
     # on write (tests/support/caching_fs.py), so the writer's own checks before publishing face the same
     # stale cache as the watcher.
     url = f"{protocol}://{tmp_path / 'run'}"
-    publisher = CheckpointManager(url, keep_last=2, async_save=False)
-    watcher = CheckpointManager(url, async_save=False)
+    publisher = CheckpointManager(url, keep_last=2, staging=Staging(mode="sync"))
+    watcher = CheckpointManager(url, staging=Staging(mode="sync"))
     assert watcher.root.fs is publisher.root.fs
     publisher.save(1, state(1))
     assert watcher.latest() == 1
@@ -117,7 +118,7 @@ def test_one_shared_instance_for_writer_and_watcher(tmp_path: Path, staging: Pat
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_second_process_watching_sees_a_later_checkpoint(tmp_path: Path, staging: Path, protocol: str) -> None:
     url = f"{protocol}://{tmp_path / 'run'}"
-    publisher = CheckpointManager(url, keep_last=None, async_save=False)
+    publisher = CheckpointManager(url, keep_last=None, staging=Staging(mode="sync"))
     publisher.save(1, state(1))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.volumes import S3Volume
 
 
@@ -22,7 +23,7 @@ def state(value: float = 1.0) -> dict:
 
 def test_save_and_load_records_local(tmp_path: Path, staging: Path, caplog: pytest.LogCaptureFixture) -> None:
     dest = tmp_path / "ckpt"
-    writer = UCVolumeWriter(dest, file_size_bytes=256 << 10)
+    writer = UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=256 << 10))
     with caplog.at_level(logging.INFO, logger="uc_checkpoint"):
         dcp.save(state(), storage_writer=writer)
     rec = writer.last_record
@@ -47,7 +48,7 @@ def test_retries_are_counted_on_a_throttling_store(
     puts = iter(range(1000))
     fault_proxy.match = lambda method, path: method == "PUT" and ".distcp" in path and next(puts) < 3
     fault_proxy.throttle_rate = 1.0  # the first three data uploads are refused once each
-    writer = UCVolumeWriter(volume, file_size_bytes=128 << 10)
+    writer = UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=128 << 10))
     dcp.save(state(2.0), storage_writer=writer)
     saved_throttles = fault_proxy.injected["throttle"]
     assert saved_throttles == 3

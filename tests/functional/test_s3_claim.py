@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.conftest import HeldInWriteStep
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import ConcurrentSaveError, rank_error
 from uc_checkpoint.volumes import S3Volume
 
@@ -32,7 +33,7 @@ def test_no_listing_between_the_last_upload_and_the_publish(
     volume = _volume(fault_proxy.url, s3_bucket, "order")
     sd = {f"t{i}": torch.full((1 << 16,), float(i)) for i in range(4)}  # 4 files of 256 KiB
     fault_proxy.reset()
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=256 << 10))
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=256 << 10)))
     sent = [(r.method, r.path.split("?")[0].rsplit("/", 1)[-1], r.path) for r in fault_proxy.history]
     last_upload = max(i for i, (m, name, _) in enumerate(sent) if m == "PUT" and name.endswith(".distcp"))
     publish = next(i for i, (m, name, _) in enumerate(sent) if m == "PUT" and name == ".metadata")
@@ -112,7 +113,12 @@ def test_a_claim_request_that_fails_publishes_nothing_and_keeps_the_old_checkpoi
     client = s3_client(fault_proxy.upstream)
     n = 1 << 18  # 1 MiB tensors, one file each
     old = {f"w{i}": torch.full((n,), -1.0 - i) for i in range(4)}
-    dcp.save(old, storage_writer=UCVolumeWriter(_volume(fault_proxy.url, s3_bucket, "ck"), file_size_bytes=1 << 20))
+    dcp.save(
+        old,
+        storage_writer=UCVolumeWriter(
+            _volume(fault_proxy.url, s3_bucket, "ck"), options=WriterOptions(file_size_bytes=1 << 20)
+        ),
+    )
     before = _objects(client, s3_bucket, "ck")
 
     def match(request_method: str, target: str) -> bool:
@@ -125,7 +131,7 @@ def test_a_claim_request_that_fails_publishes_nothing_and_keeps_the_old_checkpoi
     fault_proxy.reset()
     fault_proxy.match, fault_proxy.error_rate = match, 1.0
     new = {k: torch.full((n,), float(i)) for i, k in enumerate(old)}
-    writer = UCVolumeWriter(_volume(fault_proxy.url, s3_bucket, "ck"), file_size_bytes=1 << 20)
+    writer = UCVolumeWriter(_volume(fault_proxy.url, s3_bucket, "ck"), options=WriterOptions(file_size_bytes=1 << 20))
     with pytest.raises(CheckpointException) as ei:
         if mode == "sync":
             dcp.save(new, storage_writer=writer)

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import REPO
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import CheckpointManager, UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import ReaderOptions, Staging, WriterOptions
 from uc_checkpoint.errors import CheckpointExistsError, TransferError, rank_error
 
 CHECKSUM_HEADERS = ("x-amz-sdk-checksum-algorithm", "x-amz-checksum-")
@@ -50,9 +51,9 @@ def test_boto3s_when_required_settings_are_honoured(
     for name, value in QUIET.items():
         monkeypatch.setenv(name, value)
     url = f"s3://{s3_bucket}/b2-like/step_00000001"
-    dcp.save(_sd(1.0), storage_writer=UCVolumeWriter(url, file_size_bytes=600_000), no_dist=True)
+    dcp.save(_sd(1.0), storage_writer=UCVolumeWriter(url, options=WriterOptions(file_size_bytes=600_000)), no_dist=True)
     for prefetch in (True, False):
-        assert torch.equal(_load(url, prefetch_files=prefetch)["w"], torch.full((300_000,), 1.0))
+        assert torch.equal(_load(url, options=ReaderOptions(prefetch_files=prefetch))["w"], torch.full((300_000,), 1.0))
     assert picky_store.injected["rejected-header"] == 0
     assert any(r.method == "PUT" for r in picky_store.history)
 
@@ -76,7 +77,7 @@ def test_volume_options_reach_every_url_entry_point(picky_store: FaultProxy, s3_
         dcp.save(_sd(3.0), storage_writer=UCVolumeWriter(url, volume_options=options), no_dist=True)
         assert torch.equal(_load(url, volume_options=options)["b"], torch.arange(10.0) + 3.0)
     else:
-        manager = CheckpointManager(f"s3://{s3_bucket}/opts-run", volume_options=options, async_save=False)
+        manager = CheckpointManager(f"s3://{s3_bucket}/opts-run", volume_options=options, staging=Staging(mode="sync"))
         manager.save(4, _sd(4.0))
         assert manager.latest() == 4
         out = {"w": torch.zeros(300_000), "b": torch.zeros(10)}
@@ -85,9 +86,9 @@ def test_volume_options_reach_every_url_entry_point(picky_store: FaultProxy, s3_
 
 
 def test_the_cli_takes_volume_options(picky_store: FaultProxy, s3_bucket: str) -> None:
-    CheckpointManager(f"s3://{s3_bucket}/cli-run", volume_options={"checksums": False}, async_save=False).save(
-        5, _sd(5.0)
-    )
+    CheckpointManager(
+        f"s3://{s3_bucket}/cli-run", volume_options={"checksums": False}, staging=Staging(mode="sync")
+    ).save(5, _sd(5.0))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for verb, location in (("ls", f"s3://{s3_bucket}/cli-run"), ("verify", f"s3://{s3_bucket}/cli-run/step_00000005")):
         ok = subprocess.run(
@@ -153,9 +154,9 @@ def test_half_the_settings_still_names_the_fix(
 
 
 def test_the_cli_reads_boolean_words(picky_store: FaultProxy, s3_bucket: str) -> None:
-    CheckpointManager(f"s3://{s3_bucket}/words", volume_options={"checksums": False}, async_save=False).save(
-        1, _sd(1.0)
-    )
+    CheckpointManager(
+        f"s3://{s3_bucket}/words", volume_options={"checksums": False}, staging=Staging(mode="sync")
+    ).save(1, _sd(1.0))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for word in ("false", "no", "off"):
         proc = subprocess.run(

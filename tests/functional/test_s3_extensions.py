@@ -18,6 +18,7 @@ from tests.conftest import assert_state_dict_equal, empty_like_state_dict, make_
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from tests.support.stream_extensions import EXTENSION_CASES, ZStandard, partial_read, registry
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import ReaderOptions, WriterOptions
 from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import S3Volume
 
@@ -51,10 +52,20 @@ def test_our_s3_checkpoint_with_extensions_loads_in_ours_and_in_stock(
 ) -> None:
     sd = make_state_dict(21)
     vol = volume(s3_server, s3_bucket, f"ours-{case}")
-    dcp.save(sd, storage_writer=UCVolumeWriter(vol, file_size_bytes=200_000, _extensions=EXTENSION_CASES[case]()))
+    dcp.save(
+        sd,
+        storage_writer=UCVolumeWriter(
+            vol, _extensions=EXTENSION_CASES[case](), options=WriterOptions(file_size_bytes=200_000)
+        ),
+    )
     for prefetch in (None, True):  # ranges (S3's default), whole files
         out = empty_like_state_dict(sd)
-        dcp.load(out, storage_reader=UCVolumeReader(vol, prefetch_files=prefetch, _extension_registry=registry()))
+        dcp.load(
+            out,
+            storage_reader=UCVolumeReader(
+                vol, _extension_registry=registry(), options=ReaderOptions(prefetch_files=prefetch)
+            ),
+        )
         assert_state_dict_equal(out, sd)
 
     stored = download_dir(s3_server, s3_bucket, f"ours-{case}", tmp_path / "copy")
@@ -78,7 +89,12 @@ def test_a_stock_checkpoint_with_extensions_loads_from_s3(
     vol = volume(s3_server, s3_bucket, f"stock-{case}")
     for prefetch in (None, True):
         out = empty_like_state_dict(sd)
-        dcp.load(out, storage_reader=UCVolumeReader(vol, prefetch_files=prefetch, _extension_registry=registry()))
+        dcp.load(
+            out,
+            storage_reader=UCVolumeReader(
+                vol, _extension_registry=registry(), options=ReaderOptions(prefetch_files=prefetch)
+            ),
+        )
         assert_state_dict_equal(out, sd)
 
 
@@ -88,9 +104,14 @@ def test_a_resharded_read_of_a_transformed_tensor_on_s3(
 ) -> None:
     sd = {"big": torch.randn(2048, 256), "other": torch.randn(1024, 256)}  # 2 MiB and 1 MiB
     vol = volume(fault_proxy.url, s3_bucket, f"reshard-{case}")
-    dcp.save(sd, storage_writer=UCVolumeWriter(vol, file_size_bytes=64 << 20, _extensions=EXTENSION_CASES[case]()))
+    dcp.save(
+        sd,
+        storage_writer=UCVolumeWriter(
+            vol, _extensions=EXTENSION_CASES[case](), options=WriterOptions(file_size_bytes=64 << 20)
+        ),
+    )
     fault_proxy.reset()
-    reader = UCVolumeReader(vol, range_gap_bytes=0, _extension_registry=registry())
+    reader = UCVolumeReader(vol, _extension_registry=registry(), options=ReaderOptions(range_gap_bytes=0))
     got = partial_read(reader, "big", (300, 1100))
     assert torch.equal(got, sd["big"][300:1100])
     ranges = [r.header("Range") for r in fault_proxy.history if r.method == "GET" and ".distcp" in r.path]

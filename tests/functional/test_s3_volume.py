@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.conftest import assert_state_dict_equal, cause, empty_like_state_dict, make_state_dict, staging_files
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import ReaderOptions, WriterOptions
 from uc_checkpoint.errors import CheckpointExistsError, CorruptCheckpointError, TransferError, VolumeError
 from uc_checkpoint.volumes import FsspecVolume, S3Volume, open_volume
 
@@ -40,9 +41,9 @@ def keys(endpoint: str, bucket: str) -> dict[str, dict]:
 
 
 def save_and_load(volume, sd: dict, **reader_kw) -> dict:
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=200_000)))
     out = empty_like_state_dict(sd)
-    dcp.load(out, storage_reader=UCVolumeReader(volume, **reader_kw))
+    dcp.load(out, storage_reader=UCVolumeReader(volume, options=ReaderOptions(**reader_kw)))
     return out
 
 
@@ -106,7 +107,7 @@ def test_multipart_upload_is_verified_against_the_store_checksum(s3_server: str,
     assert record["size"] == head["ContentLength"]
     assert len(record["blocks"]) == 4 * -(-record["size"] // (4 << 20))  # a CRC-32 per 4 MiB block
     out = {"big": torch.zeros(3 << 20), "small": torch.zeros(7, dtype=torch.int64)}
-    dcp.load(out, storage_reader=UCVolumeReader(volume, range_chunk_bytes=1 << 20))
+    dcp.load(out, storage_reader=UCVolumeReader(volume, options=ReaderOptions(range_chunk_bytes=1 << 20)))
     assert torch.equal(out["big"], sd["big"]) and torch.equal(out["small"], sd["small"])
     assert not client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
 
@@ -201,10 +202,10 @@ def test_partial_load_fetches_only_the_needed_ranges(
 ) -> None:
     volume = s3_volume(fault_proxy.url, s3_bucket, "partial")
     sd = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 1 MiB each, 8 MiB in one file
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 20))
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=64 << 20)))
     fault_proxy.reset()
     out = {"t5": torch.zeros(256, 1024)}
-    dcp.load(out, storage_reader=UCVolumeReader(volume, range_gap_bytes=0))
+    dcp.load(out, storage_reader=UCVolumeReader(volume, options=ReaderOptions(range_gap_bytes=0)))
     assert torch.equal(out["t5"], sd["t5"])
     ranges = [r.header("Range") for r in fault_proxy.history if r.method == "GET" and ".distcp" in r.path]
     assert ranges and all(rng and rng.startswith("bytes=") for rng in ranges), ranges
@@ -237,13 +238,16 @@ def test_corrupted_missing_and_truncated_objects_are_named(
 ) -> None:
     volume = s3_volume(s3_server, s3_bucket, f"bad-{prefetch}")
     sd = make_state_dict(5)
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=200_000)))
     client = s3_client(s3_server)
     data_keys = sorted(k for k in keys(s3_server, s3_bucket) if k.endswith(".distcp") and k.startswith(volume.prefix))
 
     def load() -> BaseException:
         with pytest.raises(CheckpointException) as ei:
-            dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(volume, prefetch_files=prefetch))
+            dcp.load(
+                empty_like_state_dict(sd),
+                storage_reader=UCVolumeReader(volume, options=ReaderOptions(prefetch_files=prefetch)),
+            )
         return cause(ei)
 
     # One flipped byte, same size: only a checksum can tell.
@@ -363,7 +367,7 @@ def test_fsspec_round_trip_and_overwrite_false(kind: str, tmp_path: Path, stagin
     out = save_and_load(volume, sd)
     assert_state_dict_equal(sd, out)
     out2 = empty_like_state_dict(sd)
-    dcp.load(out2, storage_reader=UCVolumeReader(volume, prefetch_files=True))
+    dcp.load(out2, storage_reader=UCVolumeReader(volume, options=ReaderOptions(prefetch_files=True)))
     assert_state_dict_equal(sd, out2)
     with pytest.raises(CheckpointException) as ei:
         dcp.save(make_state_dict(10), storage_writer=UCVolumeWriter(volume, overwrite=False))
@@ -376,7 +380,7 @@ def test_fsspec_round_trip_and_overwrite_false(kind: str, tmp_path: Path, stagin
 def test_fsspec_corrupt_file_is_named(tmp_path: Path, staging: Path) -> None:
     volume = FsspecVolume(f"memory://uc-corrupt-{tmp_path.name}")
     sd = make_state_dict(11)
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=200_000))
+    dcp.save(sd, storage_writer=UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=200_000)))
     name = sorted(n for n in volume.list_files() if n.endswith(".distcp"))[0]
     data = bytearray(volume.read_bytes(name) or b"")
     data[100] ^= 0x10
@@ -451,7 +455,7 @@ def test_partial_objects_on_load_are_named_never_wrong_tensors(
     fault_proxy.cut_rate = 1.0
     out = empty_like_state_dict(sd)
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(out, storage_reader=UCVolumeReader(volume, prefetch_files=prefetch))
+        dcp.load(out, storage_reader=UCVolumeReader(volume, options=ReaderOptions(prefetch_files=prefetch)))
     err = cause(ei)
     assert isinstance(err, (TransferError, CorruptCheckpointError)), repr(err)
     assert ".distcp" in str(err) and "partial/" in str(err), str(err)

@@ -20,6 +20,7 @@ import torch
 
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint import CheckpointManager, collect_garbage, list_root
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.format.layout import METADATA_NAME, checkpoint_name
 from uc_checkpoint.volumes import S3Volume
 
@@ -34,7 +35,7 @@ def _root(bucket: str, proxy: FaultProxy, n: int) -> S3Volume:
     """``n`` published checkpoints (steps 1..n) under s3://bucket/run<n>, saved without the proxy's
     counting in the way (it counts from reset())."""
     root = S3Volume(f"s3://{bucket}/run{n}", endpoint_url=proxy.url)
-    manager = CheckpointManager(root, keep_last=None, async_save=False)
+    manager = CheckpointManager(root, keep_last=None, staging=Staging(mode="sync"))
     for step in range(1, n + 1):
         manager.save(step, state(step))
     return root
@@ -57,7 +58,7 @@ def test_latest_and_load_send_the_same_requests_for_3_or_24_checkpoints(
 ) -> None:
     sent = {}
     for n, root in roots.items():
-        manager = CheckpointManager(root, async_save=False)
+        manager = CheckpointManager(root, staging=Staging(mode="sync"))
         sent[n] = _requests(fault_proxy, manager.latest)
         assert manager.latest() == n
         target = {"w": torch.zeros(16), "meta": {"step": -1}}
@@ -74,7 +75,7 @@ def test_housekeeping_after_a_save_does_not_grow_with_the_checkpoints_kept(
     sent = {}
     for n, root in roots.items():
         # keep_every=1 keeps everything: retention decides, deletes nothing.
-        manager = CheckpointManager(root, keep_last=2, keep_every=1, async_save=False)
+        manager = CheckpointManager(root, keep_last=2, keep_every=1, staging=Staging(mode="sync"))
         manager.latest()  # a resumed run: its first save's rollback check sees nothing newer
         manager.save(n + 1, state(n + 1))
         sent[n] = _requests(fault_proxy, lambda m=manager, s=n + 2: m.save(s, state(s)))
@@ -84,7 +85,7 @@ def test_housekeeping_after_a_save_does_not_grow_with_the_checkpoints_kept(
 
 def test_retention_looks_only_at_what_it_deletes(s3_bucket: str, fault_proxy: FaultProxy, staging: Path) -> None:
     root = _root(s3_bucket, fault_proxy, 6)
-    manager = CheckpointManager(root, keep_last=2, async_save=False)
+    manager = CheckpointManager(root, keep_last=2, staging=Staging(mode="sync"))
     manager.latest()
     manager.save(7, state(7))  # deletes steps 1-5, keeps 6 and 7
     assert [i.step for i in manager.list() if i.published] == [6, 7]
@@ -118,7 +119,7 @@ def _copies(bucket: str, server: str, proxy: FaultProxy, n: int) -> tuple[S3Volu
     take minutes), so that each ``.metadata`` names data files that are there with their sizes.
     Returns the root (through the proxy) and the objects per checkpoint."""
     source = S3Volume(f"s3://{bucket}/source", endpoint_url=server)
-    CheckpointManager(source, keep_last=None, async_save=False, write_pointer=False).save(1, state(1))
+    CheckpointManager(source, keep_last=None, write_pointer=False, staging=Staging(mode="sync")).save(1, state(1))
     client = s3_client(server)
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="source/step_00000001/")["Contents"]]
 
@@ -140,7 +141,7 @@ def test_list_ls_and_gc_cost_the_listing_pages_not_a_request_per_checkpoint(
     assert per_checkpoint == 3  # .metadata, the claim, one data file
     pages = math.ceil(n * per_checkpoint / 1000)  # ListObjectsV2 returns 1,000 keys a page
     newest = f"get {checkpoint_name(n)}/{METADATA_NAME}"
-    manager = CheckpointManager(root, async_save=False)
+    manager = CheckpointManager(root, staging=Staging(mode="sync"))
 
     listed, sent = _kinds(fault_proxy, manager.list)
     assert sent == {"list": pages}, sent

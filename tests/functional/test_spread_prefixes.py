@@ -17,16 +17,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint import CheckpointManager, UCVolumeReader, UCVolumeWriter, collect_garbage, list_root
 from uc_checkpoint.dcp.metadata_io import bad_file_name
+from uc_checkpoint.dcp.options import ReaderOptions, Staging, WriterOptions
 from uc_checkpoint.engine import publish
 from uc_checkpoint.engine.listing import checkpoint_entries, checkpoint_files
 from uc_checkpoint.errors import LocationNotEmptyError
 from uc_checkpoint.format import layout
-from uc_checkpoint.ops.options import WriterOptions
 from uc_checkpoint.ops.summary import describe_checkpoint
 from uc_checkpoint.ops.verify import verify_checkpoint
 from uc_checkpoint.volumes import MemoryVolume, S3Volume
 
-SPREAD = {"spread_prefixes": 16, "file_size_bytes": 1024}
+SPREAD = WriterOptions(spread_prefixes=16, file_size_bytes=1024)
 
 
 def state(step: int) -> dict:
@@ -93,7 +93,7 @@ def test_the_option_is_checked_where_it_is_given(tmp_path: Path) -> None:
         with pytest.raises(error, match="spread_prefixes"):
             WriterOptions(spread_prefixes=bad)
         with pytest.raises(error, match="spread_prefixes"):
-            UCVolumeWriter(tmp_path, spread_prefixes=bad)
+            UCVolumeWriter(tmp_path, options=WriterOptions(spread_prefixes=bad))
 
 
 def test_listing_includes_spread_prefixes_and_keeps_other_sub_locations() -> None:
@@ -125,7 +125,7 @@ def test_local_spread_checkpoint_loads_with_the_stock_reader_and_every_tool_sees
     tmp_path: Path, staging: Path
 ) -> None:
     root = tmp_path / "run"
-    manager = CheckpointManager(root, keep_last=1, async_save=False, writer_options=SPREAD)
+    manager = CheckpointManager(root, keep_last=1, staging=Staging(mode="sync"), writer=SPREAD)
     manager.save(1, state(1))
     step1 = root / "step_00000001"
     assert [p.split("/")[0] for p in data_files(step1)] == ["0"] * 4  # rank 0 -> "0/", one file per tensor
@@ -136,7 +136,7 @@ def test_local_spread_checkpoint_loads_with_the_stock_reader_and_every_tool_sees
     assert torch.equal(stock["t3"], state(1)["t3"]) and stock["meta"] == {"step": 1}
     for prefetch in (True, False):  # whole files into staging sub-directories, and ranges
         ours = blank()
-        dcp.load(ours, storage_reader=UCVolumeReader(step1, prefetch_files=prefetch))
+        dcp.load(ours, storage_reader=UCVolumeReader(step1, options=ReaderOptions(prefetch_files=prefetch)))
         assert torch.equal(ours["t2"], state(1)["t2"])
     report = verify_checkpoint(str(step1))
     assert report.ok and report.files_checked == report.files_checksummed == 4, report
@@ -154,7 +154,7 @@ def test_local_spread_checkpoint_loads_with_the_stock_reader_and_every_tool_sees
     # A second save at one location removes the files it supersedes from the spread prefix.
     step2 = root / "step_00000002"
     before = data_files(step2)
-    dcp.save(state(3), storage_writer=UCVolumeWriter(step2, **SPREAD))
+    dcp.save(state(3), storage_writer=UCVolumeWriter(step2, options=SPREAD))
     after = data_files(step2)
     assert len(after) == 4 and not set(before) & set(after)
 
@@ -162,12 +162,12 @@ def test_local_spread_checkpoint_loads_with_the_stock_reader_and_every_tool_sees
     (step2 / after[0]).unlink()
     assert any(after[0] in p for p in verify_checkpoint(str(step2)).problems)
     assert list_root(str(root))[0].state == "broken"
-    assert CheckpointManager(root, async_save=False).latest() is None
+    assert CheckpointManager(root, staging=Staging(mode="sync")).latest() is None
 
 
 def test_gc_collects_an_unpublished_spread_location(tmp_path: Path, staging: Path) -> None:
     root = tmp_path / "run"
-    CheckpointManager(root, keep_last=None, async_save=False, writer_options=SPREAD).save(5, state(5))
+    CheckpointManager(root, keep_last=None, staging=Staging(mode="sync"), writer=SPREAD).save(5, state(5))
     location = root / "step_00000005"
     (location / ".metadata").unlink()  # as a save killed before publishing leaves it
     old = time.time() - 3600
@@ -186,13 +186,15 @@ def test_fsspec_spread_checkpoint_loads_with_the_stock_fsspec_reader(staging: Pa
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     url = f"memory://spread-{time.time_ns()}/ckpt"
-    dcp.save(state(7), storage_writer=UCVolumeWriter(url, spread_prefixes=4, file_size_bytes=1024))
+    dcp.save(
+        state(7), storage_writer=UCVolumeWriter(url, options=WriterOptions(spread_prefixes=4, file_size_bytes=1024))
+    )
     stock = blank()
     dcp.load(stock, storage_reader=FsspecReader(url))
     assert torch.equal(stock["t0"], state(7)["t0"]) and stock["meta"] == {"step": 7}
     for prefetch in (True, False):
         ours = blank()
-        dcp.load(ours, storage_reader=UCVolumeReader(url, prefetch_files=prefetch))
+        dcp.load(ours, storage_reader=UCVolumeReader(url, options=ReaderOptions(prefetch_files=prefetch)))
         assert torch.equal(ours["t3"], state(7)["t3"])
     assert verify_checkpoint(url).files_checksummed == 4
 
@@ -209,12 +211,15 @@ def test_s3_spread_checkpoint_retention_gc_and_request_counts(
     def keys(prefix: str = "run/") -> list[str]:
         return sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix=prefix).get("Contents", []))
 
-    manager = CheckpointManager(root, keep_last=1, async_save=False, writer_options=SPREAD)
+    manager = CheckpointManager(root, keep_last=1, staging=Staging(mode="sync"), writer=SPREAD)
     manager.save(1, state(1))
     assert [k for k in keys() if k.endswith(".distcp")] == [k for k in keys("run/step_00000001/0/")]
     for prefetch in (True, False):
         back = blank()
-        dcp.load(back, storage_reader=UCVolumeReader(root.child("step_00000001"), prefetch_files=prefetch))
+        dcp.load(
+            back,
+            storage_reader=UCVolumeReader(root.child("step_00000001"), options=ReaderOptions(prefetch_files=prefetch)),
+        )
         assert torch.equal(back["t1"], state(1)["t1"])
 
     fault_proxy.reset()

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.conftest import causes
 from tests.support.s3_fixtures import FaultProxy, s3_client
 from uc_checkpoint.cli import main as cli_main
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.errors import TransferError, UCCheckpointError, VolumeError
 from uc_checkpoint.ops.garbage import collect_garbage
 from uc_checkpoint.ops.manager import CheckpointManager
@@ -106,7 +107,9 @@ def store(s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries,
     two attempts per request, plus leftovers gc would delete: an unpublished location (step 3) and a
     file no .metadata references in step 2."""
     root = S3Volume(f"s3://{s3_bucket}/run", endpoint_url=fault_proxy.url, max_attempts=2)
-    manager = CheckpointManager(root, keep_last=None, async_save=False, list_attempts=2, list_backoff_s=0.01)
+    manager = CheckpointManager(
+        root, keep_last=None, list_attempts=2, list_backoff_s=0.01, staging=Staging(mode="sync")
+    )
     manager.save(1, state(1))
     manager.save(2, state(2))
     client = s3_client(s3_server)

@@ -1,4 +1,4 @@
-"""CheckpointManager(async_staging=True): save() returns before the state is copied, and the copy
+"""CheckpointManager(staging=Staging(background_copy=True)): save() returns before the state is copied, and the copy
 must be complete before the training loop changes the state. A ``Gate`` object inside the state
 holds the background copy halfway (``copy.deepcopy`` of it blocks until released), so each test
 knows exactly which tensors are copied when it changes them:
@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.errors import StateChangedWhileStagingError
 from uc_checkpoint.ops.manager import CheckpointManager
 
@@ -63,7 +64,7 @@ def train_step(sd: dict[str, Any]) -> None:
 
 
 def test_the_checkpoint_is_the_state_of_the_save_call_when_the_loop_waits(tmp_path: Path, staging: Path) -> None:
-    manager = CheckpointManager(str(tmp_path / "run"), async_staging=True)
+    manager = CheckpointManager(str(tmp_path / "run"), staging=Staging(background_copy=True))
     gate = Gate()
     sd = state(1, gate)
     expected = state(1, None)
@@ -89,7 +90,7 @@ def test_the_checkpoint_is_the_state_of_the_save_call_when_the_loop_waits(tmp_pa
 def test_a_loop_that_skips_the_wait_fails_the_save_instead_of_publishing_a_mixed_one(
     tmp_path: Path, staging: Path
 ) -> None:
-    manager = CheckpointManager(str(tmp_path / "run"), async_staging=True)
+    manager = CheckpointManager(str(tmp_path / "run"), staging=Staging(background_copy=True))
     gate = Gate()
     sd = state(2, gate)
     manager.save(2, sd)
@@ -109,7 +110,7 @@ def test_a_loop_that_skips_the_wait_fails_the_save_instead_of_publishing_a_mixed
 
 
 def test_load_into_the_state_being_staged_waits_for_the_copy(tmp_path: Path, staging: Path) -> None:
-    manager = CheckpointManager(str(tmp_path / "run"), async_staging=True, keep_last=None)
+    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, staging=Staging(background_copy=True))
     manager.save(1, state(1, None))
     manager.wait()
     gate = Gate()
@@ -126,9 +127,9 @@ def test_load_into_the_state_being_staged_waits_for_the_copy(tmp_path: Path, sta
     assert torch.equal(target["a"], state(2, None)["a"]) and torch.equal(target["z"], state(2, None)["z"])
 
 
-def test_async_staging_needs_async_save(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="async_staging=True needs async_save=True"):
-        CheckpointManager(str(tmp_path / "run"), async_save=False, async_staging=True)
+def test_a_background_copy_needs_an_async_save(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="background_copy=True needs mode 'thread' or 'process'"):
+        Staging(mode="sync", background_copy=True)
     # Without async staging, save() returns after the copy: waiting is a no-op.
     manager = CheckpointManager(str(tmp_path / "run"))
     manager.wait_until_staged()

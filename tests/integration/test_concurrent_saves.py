@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.conftest import HeldInWriteStep, wait_for
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import ConcurrentSaveError, rank_error
 from uc_checkpoint.format.layout import parse_save_marker
 from uc_checkpoint.ops.garbage import collect_garbage
@@ -57,7 +58,9 @@ def job(dest: str, value: float, gate: Gate | None, conn: mp.connection.Connecti
     if gate is not None:
         sd["gate"] = gate
     try:
-        dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=64 << 10, sync_files=False))
+        dcp.save(
+            sd, storage_writer=UCVolumeWriter(dest, sync_files=False, options=WriterOptions(file_size_bytes=64 << 10))
+        )
         conn.send(None)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         conn.send("".join(traceback.format_exception(exc)))
@@ -193,7 +196,10 @@ def test_a_marker_clock_that_disagrees_with_the_claims_never_refuses_both(tmp_pa
     def save_a() -> None:
         sd = {**job_state(1.0), "held": HeldInWriteStep(reached, release)}
         try:
-            dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=64 << 10, sync_files=False))
+            dcp.save(
+                sd,
+                storage_writer=UCVolumeWriter(dest, sync_files=False, options=WriterOptions(file_size_bytes=64 << 10)),
+            )
         except BaseException as exc:  # noqa: BLE001 - checked below
             errors.append(exc)
 

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import REPO, wait_for
 from tests.support import crash_loop
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.demo.run import kill_process_tree
 from uc_checkpoint.ops.catalog import list_steps
 from uc_checkpoint.ops.manager import CheckpointManager
@@ -67,7 +68,9 @@ def save_loop(root: str, staging: str, start: int, conn: mp.connection.Connectio
         # Small files: many per save, so kills land between files too. No fsync: a killed process
         # loses nothing the page cache holds (fsync matters for power loss, not tested here).
         for name in (f"step_{i:05d}", "same"):
-            writer = UCVolumeWriter(Path(root) / name, staging_dir=staging, file_size_bytes=60_000, sync_files=False)
+            writer = UCVolumeWriter(
+                Path(root) / name, staging_dir=staging, sync_files=False, options=WriterOptions(file_size_bytes=60_000)
+            )
             dcp.save(sd, storage_writer=writer)
         conn.send(i)
         i += 1

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from uc_checkpoint import cli, errors
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.errors import (
     CorruptCheckpointError,
     ItemChecksumError,
@@ -145,7 +146,7 @@ def _rank_main(rank: int, tmp: str) -> None:
     out: dict[str, Any] = {}
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
-        manager = CheckpointManager(str(Path(tmp) / "run"), async_save=False)
+        manager = CheckpointManager(str(Path(tmp) / "run"), staging=Staging(mode="sync"))
         cases = {
             "corrupt": CorruptCheckpointError(f"{tmp}/run/step_00000001/.metadata cannot be decoded"),
             "not_empty": LocationNotEmptyError(f"{tmp}/run holds stray files"),

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.support.s3_fixtures import CUT, LOST, THROTTLE, FaultProxy
 from uc_checkpoint import CheckpointManager, UCCheckpointError, UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import rank_error
 from uc_checkpoint.volumes import S3Volume
 
@@ -226,7 +227,7 @@ def test_every_request_of_a_writer_save_with_each_fault(
     overwrite = over is not None
 
     def writer(endpoint: str, url: str) -> UCVolumeWriter:
-        return UCVolumeWriter(volume(endpoint, url), overwrite=overwrite, upload_workers=1)
+        return UCVolumeWriter(volume(endpoint, url), overwrite=overwrite, options=WriterOptions(upload_workers=1))
 
     def save_once(injector: Injector, tag: str) -> BaseException | None:
         url = f"{base}/{tag}"
@@ -266,7 +267,7 @@ def test_every_request_of_a_manager_save_with_each_fault(
             keep_last=1,
             list_attempts=2,
             list_backoff_s=0.01,
-            writer_options={"upload_workers": 1},
+            writer=WriterOptions(upload_workers=1),
         )
 
     def prepared(root: str) -> None:

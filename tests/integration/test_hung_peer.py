@@ -137,7 +137,7 @@ def test_a_hung_rank_fails_each_agreement_and_a_save_in_flight(job: Job) -> None
 
 
 def test_a_save_in_dcps_checkpoint_process_fails_too(job: Job) -> None:
-    # async_mode="process": the save's collectives run in DCP's own process and process group.
+    # Staging(mode="process"): the save's collectives run in DCP's own process and process group.
     node = job.launch("process", ["--standalone", "--nproc-per-node=2"], "process")
     job.stop_victim(1)
     assert_exits(job, 0, node)

@@ -6,12 +6,14 @@
 - a save in flight when the script ends is finished before the interpreter shuts its thread pools
   (writer alone and manager, THREAD and PROCESS, local and S3), and a failing one is reported;
 - a publish is confirmed by content before anything is deleted (a mount that loses a rename);
-- one writer (reader) object serving overlapping saves (loads): each keeps its own state.
+- one save (load) per writer (reader) object: a second one while it is in flight is refused at
+  once; overlapping saves (loads) through separate objects each keep their own state.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
 import sys
@@ -27,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import SCRIPTS, run_script, torchrun
 from tests.support.s3_fixtures import s3_client
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import ReaderOptions, WriterOptions
 from uc_checkpoint.errors import ConcurrentSaveError, TransferError, rank_error
 from uc_checkpoint.volumes import local as local_volume
 from uc_checkpoint.volumes.local import LocalVolume
@@ -288,7 +291,7 @@ def test_an_fsspec_publish_that_is_lost_keeps_the_old_checkpoint(monkeypatch: py
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. one writer / reader object, overlapping saves / loads
+# 8. one save per writer object, one load per reader object; overlapping ones through several
 
 
 class _Rendezvous:
@@ -316,12 +319,17 @@ def _big(value: float) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.full((64, 1024), value + i) for i in range(8)}
 
 
-def test_one_writer_two_overlapping_async_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+ONE_WRITER_PER_SAVE = "one writer object serves one save at a time"
+
+
+def test_two_writers_overlapping_async_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _Rendezvous(monkeypatch, "upload_file")
-    writer = UCVolumeWriter(tmp_path / "p0", file_size_bytes=256 << 10)
+    options = WriterOptions(file_size_bytes=256 << 10)
     a, b = tmp_path / "A", tmp_path / "B"
-    fut_a = dcp.async_save(_big(1.0), storage_writer=writer, checkpoint_id=a, no_dist=True)
-    fut_b = dcp.async_save(_big(100.0), storage_writer=writer, checkpoint_id=b, no_dist=True)
+    fut_a = dcp.async_save(_big(1.0), storage_writer=UCVolumeWriter(a, options=options), no_dist=True)
+    fut_b = dcp.async_save(
+        _big(100.0), storage_writer=UCVolumeWriter(tmp_path / "p0", options=options), checkpoint_id=b, no_dist=True
+    )
     fut_a.result(timeout=120)
     fut_b.result(timeout=120)
     for loc, value in ((a, 1.0), (b, 100.0)):
@@ -329,16 +337,45 @@ def test_one_writer_two_overlapping_async_saves(tmp_path: Path, monkeypatch: pyt
         dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
         assert all(torch.equal(target[f"t{i}"], torch.full((64, 1024), value + i)) for i in range(8)), loc
         assert not list(loc.glob(".uc-save-*"))
-    assert not (tmp_path / "p0").exists()  # neither save wrote to the writer's own path
+    assert not (tmp_path / "p0").exists()  # the save went to its checkpoint_id, not the writer's path
 
 
-def test_overlapping_saves_of_one_writer_fail_with_their_own_location(tmp_path: Path) -> None:
+@pytest.mark.parametrize("second", ["async_save", "save", "reset"])
+def test_a_second_save_through_a_writer_in_flight_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str
+) -> None:
+    # DCP's contract: reset() starts a brand new checkpoint write. A second save while the first is
+    # in flight (staged, or running in DCP's thread) is refused before it touches anything.
+    _Rendezvous(monkeypatch, "upload_file")  # holds the first save's first upload until released
+    writer = UCVolumeWriter(tmp_path / "A", options=WriterOptions(file_size_bytes=256 << 10))
+    fut = dcp.async_save(_big(3.0), storage_writer=writer, no_dist=True)
+    with pytest.raises(RuntimeError, match=ONE_WRITER_PER_SAVE) as info:
+        if second == "async_save":
+            dcp.async_save(_big(30.0), storage_writer=writer, checkpoint_id=tmp_path / "B", no_dist=True)
+        elif second == "save":
+            dcp.save(_big(30.0), storage_writer=writer, checkpoint_id=tmp_path / "B", no_dist=True)
+        else:
+            writer.reset(tmp_path / "B")
+    assert "use a new UCVolumeWriter for each save" in str(info.value) and str(tmp_path / "A") in str(info.value)
+    # The second save, through a writer of its own, runs beside the first (and releases it).
+    dcp.save(_big(30.0), storage_writer=UCVolumeWriter(tmp_path / "B"), no_dist=True)
+    fut.result(timeout=120)
+    for loc, value in ((tmp_path / "A", 3.0), (tmp_path / "B", 30.0)):
+        target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
+        dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
+        assert torch.equal(target["t0"], torch.full((64, 1024), value)), loc
+    # Once the first save is over, the writer takes the next one.
+    monkeypatch.undo()  # no more rendezvous
+    dcp.save(_big(4.0), storage_writer=writer, checkpoint_id=tmp_path / "C", no_dist=True)
+    assert (tmp_path / "C" / ".metadata").is_file()
+
+
+def test_overlapping_saves_of_two_writers_fail_with_their_own_location(tmp_path: Path) -> None:
     # B's location is a file: B fails naming B; A, running at the same time, publishes.
-    writer = UCVolumeWriter(tmp_path / "p0")
     a, b = tmp_path / "A", tmp_path / "B"
     b.write_text("a file, not a directory")
-    fut_a = dcp.async_save(_big(1.0), storage_writer=writer, checkpoint_id=a, no_dist=True)
-    fut_b = dcp.async_save(_big(2.0), storage_writer=writer, checkpoint_id=b, no_dist=True)
+    fut_a = dcp.async_save(_big(1.0), storage_writer=UCVolumeWriter(a), no_dist=True)
+    fut_b = dcp.async_save(_big(2.0), storage_writer=UCVolumeWriter(tmp_path / "p0"), checkpoint_id=b, no_dist=True)
     with pytest.raises(BaseException) as info:
         fut_b.result(timeout=120)
     err = rank_error(info.value)
@@ -347,31 +384,16 @@ def test_overlapping_saves_of_one_writer_fail_with_their_own_location(tmp_path: 
     assert (a / ".metadata").is_file()
 
 
-def test_a_sync_save_beside_an_async_save_of_the_same_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _Rendezvous(monkeypatch, "upload_file")
-    writer = UCVolumeWriter(tmp_path / "p0", file_size_bytes=256 << 10)
-    fut = dcp.async_save(_big(3.0), storage_writer=writer, checkpoint_id=tmp_path / "A", no_dist=True)
-    dcp.save(_big(30.0), storage_writer=writer, checkpoint_id=tmp_path / "B", no_dist=True)
-    fut.result(timeout=120)
-    for loc, value in ((tmp_path / "A", 3.0), (tmp_path / "B", 30.0)):
-        target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
-        dcp.load(target, storage_reader=UCVolumeReader(loc), no_dist=True)
-        assert torch.equal(target["t0"], torch.full((64, 1024), value)), loc
-
-
-def test_a_sync_save_right_after_an_async_save_without_checkpoint_id(tmp_path: Path) -> None:
-    # The caller's synchronous save can reach the writer before the async save's own thread does
-    # (that thread hands the GIL back at its first hook): it must take neither the async save's
-    # location nor its exit ticket.
+def test_a_sync_save_right_after_an_async_save_is_refused_or_goes_through_its_own_writer(tmp_path: Path) -> None:
+    # The caller's synchronous save reaches the writer before or after the async save's own thread
+    # does: either way it is refused at once, and the async save goes where the writer pointed.
     for i in range(20):
         writer = UCVolumeWriter(tmp_path / f"P{i}")
         fut = dcp.async_save({"w": torch.ones(16), "step": 1}, storage_writer=writer, no_dist=True)
-        dcp.save(
-            {"w": torch.full((16,), 2.0), "step": 2},
-            storage_writer=writer,
-            checkpoint_id=tmp_path / f"Q{i}",
-            no_dist=True,
-        )
+        second = {"w": torch.full((16,), 2.0), "step": 2}
+        with pytest.raises(RuntimeError, match=ONE_WRITER_PER_SAVE):
+            dcp.save(second, storage_writer=writer, checkpoint_id=tmp_path / f"Q{i}", no_dist=True)
+        dcp.save(second, storage_writer=UCVolumeWriter(tmp_path / f"Q{i}"), no_dist=True)
         fut.result(timeout=60)
         for loc, value in ((tmp_path / f"P{i}", 1.0), (tmp_path / f"Q{i}", 2.0)):
             target = {"w": torch.zeros(16), "step": 0}
@@ -379,12 +401,10 @@ def test_a_sync_save_right_after_an_async_save_without_checkpoint_id(tmp_path: P
             assert torch.equal(target["w"], torch.full((16,), value)) and target["step"] == value, (i, loc)
 
 
-def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_async_save_dcp_fails_after_staging_keeps_its_writer_reserved(tmp_path: Path) -> None:
     # DCP's PROCESS mode without a process group raises after our stage(): that save's thread never
-    # reaches the writer. The next async save must go where the writer points now, and the dead
-    # save's staging is dropped (ended with an error, reported), not handed to it.
+    # reaches the writer, and nothing tells the writer so. It stays reserved for that save (the
+    # refusal says why); a new writer saves, and nothing of the dead save is published anywhere.
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     writer = UCVolumeWriter(tmp_path / "A")
@@ -392,51 +412,52 @@ def test_an_async_save_dcp_fails_after_staging_hands_nothing_to_the_next(
         dcp.async_save(
             {"w": torch.ones(16)}, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
         )
-    dead = writer.handover.staged
-    assert dead is not None and not dead.report.ended
-    writer.reset(tmp_path / "B")
-    dcp.async_save({"w": torch.full((16,), 2.0)}, storage_writer=writer, no_dist=True).result(timeout=60)
-    assert (tmp_path / "B" / ".metadata").is_file() and not (tmp_path / "A" / ".metadata").exists()
-    assert dead.report.ended and "never reached the writer" in str(dead.report.error)
-    assert writer.handover.staged is None
+    with pytest.raises(RuntimeError, match="if dcp.async_save raised after staging, that save never started"):
+        writer.reset(tmp_path / "B")
+    dcp.async_save({"w": torch.full((16,), 2.0)}, storage_writer=UCVolumeWriter(tmp_path / "B"), no_dist=True).result(
+        timeout=60
+    )
+    assert (tmp_path / "B" / ".metadata").is_file() and not (tmp_path / "A").exists()
 
 
-def test_a_dropped_async_saves_buffers_are_never_copied_into_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # An entry no save's thread claimed in time is dropped by the next stage(); its thread may only
-    # be slow and still hold the snapshot, so the next save must not copy into those tensors.
+def test_a_writer_never_started_keeps_its_buffers_from_the_next_snapshot(tmp_path: Path) -> None:
+    # A staging no save's thread took (DCP failed after it, or its thread is only slow) may still
+    # be read: another writer of the same pool must not copy into those tensors.
     from uc_checkpoint import StagingBuffers
-    from uc_checkpoint.dcp import handover
 
-    monkeypatch.setattr(handover, "UNTAKEN_WAIT_S", 0.2)
     pool = StagingBuffers()
     warm = UCVolumeWriter(tmp_path / "warm", staging_buffers=pool)
     dcp.async_save({"w": torch.zeros(1 << 16)}, storage_writer=warm, no_dist=True).result(timeout=60)
     writer = UCVolumeWriter(tmp_path / "A", staging_buffers=pool)
-    # As async_save stages; no save's thread follows. Only the tensor is kept here: a frame holding
-    # the staged dict would be taken for that save's own thread.
+    # As async_save stages; no save's thread follows.
     held = writer.stage({"w": torch.ones(1 << 16)})["w"]
     assert pool.nbytes == 0  # lent to that snapshot
-    # the next save (no tensors: it keeps no set of its own) drops that entry, then one more save
-    dcp.async_save({"step": 2}, storage_writer=writer, no_dist=True).result(timeout=60)
-    dcp.async_save({"w": torch.full((1 << 16,), 3.0)}, storage_writer=writer, no_dist=True).result(timeout=60)
-    assert torch.equal(held, torch.ones(1 << 16))  # the slow thread's snapshot is intact
+    with pytest.raises(RuntimeError, match=ONE_WRITER_PER_SAVE):
+        dcp.async_save({"step": 2}, storage_writer=writer, no_dist=True)
+    for step in (2, 3):
+        fresh = UCVolumeWriter(tmp_path / f"B{step}", staging_buffers=pool)
+        dcp.async_save({"w": torch.full((1 << 16,), float(step))}, storage_writer=fresh, no_dist=True).result(
+            timeout=60
+        )
+    assert torch.equal(held, torch.ones(1 << 16))  # the untaken snapshot is intact
     assert pool.nbytes == (1 << 16) * 4  # the last save's own set is kept
 
 
 @pytest.mark.parametrize("hand_over", [pickle.dumps, copy.deepcopy], ids=["pickle", "deepcopy"])
-def test_a_staged_save_goes_with_the_pickle_another_thread_makes(tmp_path: Path, hand_over: Any) -> None:
+def test_a_staged_save_goes_with_the_pickle_another_thread_makes(
+    tmp_path: Path, hand_over: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     # DCP's PROCESS executor pickles the writer on its own thread for the checkpoint process: the
     # staged save goes there with it and is over here (its error, if any, is the other process's).
     writer = UCVolumeWriter(tmp_path / "A")
     writer.stage({"w": torch.ones(16)})
-    staged = writer.handover.staged
-    assert staged is not None
-    thread = threading.Thread(target=hand_over, args=(writer,))
+    copies: list[Any] = []
+    thread = threading.Thread(target=lambda: copies.append(hand_over(writer)))
     thread.start()
     thread.join(timeout=60)
-    assert writer.handover.staged is None and staged.report.ended and staged.report.error is None
+    with caplog.at_level(logging.ERROR):
+        dcp.save(_step(2), storage_writer=writer, checkpoint_id=tmp_path / "B", no_dist=True)  # not refused
+    assert _holds(tmp_path / "B") == 2.0 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 @pytest.mark.parametrize("reader", ["checkpoint_id", "pickle"])
@@ -448,10 +469,11 @@ def test_the_staging_thread_reading_or_pickling_the_writer_takes_no_save(tmp_pat
     if reader == "checkpoint_id":
         assert writer.checkpoint_id.endswith("A")
     else:
-        pickle.dumps(writer)
-    staged = writer.handover.staged
-    assert staged is not None and not staged.report.ended
-    staged.drop("no save thread will come for it")
+        clone = pickle.loads(pickle.dumps(writer))
+        dcp.save(_step(5), storage_writer=clone, checkpoint_id=tmp_path / "C", no_dist=True)  # the copy is idle
+        assert _holds(tmp_path / "C") == 5.0
+    with pytest.raises(RuntimeError, match="staged for an async save not yet started"):
+        writer.reset(tmp_path / "B")  # still staged
 
 
 @pytest.fixture
@@ -483,14 +505,14 @@ def _step(n: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("how", ["checkpoint_id", "reset"])
-def test_another_threads_save_takes_nothing_from_an_async_save_not_started(
+def test_another_threads_writer_takes_nothing_from_an_async_save_not_started(
     tmp_path: Path, late_save_threads: None, how: str
 ) -> None:
     a, b = tmp_path / "A", tmp_path / "B"
-    writer = UCVolumeWriter(a)
-    fut = dcp.async_save(_step(1), storage_writer=writer, no_dist=True)
+    fut = dcp.async_save(_step(1), storage_writer=UCVolumeWriter(a), no_dist=True)
 
     def other() -> None:
+        writer = UCVolumeWriter(tmp_path / "elsewhere")
         if how == "reset":
             writer.reset(b)
             dcp.save(_step(2), storage_writer=writer, no_dist=True)
@@ -508,12 +530,11 @@ def test_a_failed_async_save_leaves_nothing_for_another_threads_save(tmp_path: P
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     a, b = tmp_path / "A", tmp_path / "B"
+    dcp.save(_step(0), storage_writer=UCVolumeWriter(a), no_dist=True)  # a good checkpoint at A
     writer = UCVolumeWriter(a)
-    dcp.save(_step(0), storage_writer=writer, no_dist=True)  # a good checkpoint at A
     with pytest.raises(ValueError, match="process group"):  # fails after our stage()
         dcp.async_save(_step(1), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-    writer.reset(b)
-    thread = threading.Thread(target=lambda: dcp.save(_step(2), storage_writer=writer, no_dist=True))
+    thread = threading.Thread(target=lambda: dcp.save(_step(2), storage_writer=UCVolumeWriter(b), no_dist=True))
     thread.start()
     thread.join(timeout=60)
     assert (_holds(a), _holds(b)) == (0.0, 2.0)  # A's checkpoint kept, the new one at B
@@ -522,35 +543,43 @@ def test_a_failed_async_save_leaves_nothing_for_another_threads_save(tmp_path: P
 def test_pickling_a_writer_with_an_async_save_staged_leaves_that_save_alone(
     tmp_path: Path, late_save_threads: None
 ) -> None:
-    a, b = tmp_path / "A", tmp_path / "B"
+    a = tmp_path / "A"
     writer = UCVolumeWriter(a)
     fut = dcp.async_save(_step(1), storage_writer=writer, no_dist=True)
     clone = pickle.loads(pickle.dumps(writer))  # not DCP's PROCESS hand-over: nothing to take
-    writer.reset(b)
-    dcp.save(_step(2), storage_writer=writer, no_dist=True)
+    with pytest.raises(RuntimeError, match=ONE_WRITER_PER_SAVE):
+        writer.reset(tmp_path / "B")
     fut.result(timeout=60)
-    assert (_holds(a), _holds(b)) == (1.0, 2.0)
+    assert (_holds(a), _holds(tmp_path / "B")) == (1.0, None)
     dcp.save(_step(3), storage_writer=clone, checkpoint_id=tmp_path / "C", no_dist=True)
     assert _holds(tmp_path / "C") == 3.0
 
 
-def test_an_async_save_goes_where_its_own_thread_pointed(tmp_path: Path) -> None:
-    # A thread's saves stay where its last reset(checkpoint_id) pointed, async ones too, whatever
-    # another thread's reset did to the writer since.
+def test_another_threads_reset_while_a_save_is_begun_is_refused(tmp_path: Path) -> None:
+    # reset(B) begins this thread's save; another thread's reset meanwhile is a second save.
     writer = UCVolumeWriter(tmp_path / "P")
     writer.reset(tmp_path / "B")
-    other = threading.Thread(target=writer.reset, args=(tmp_path / "C",))
-    other.start()
-    other.join(timeout=60)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            writer.reset(tmp_path / "C")
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join(timeout=60)
+    assert len(errors) == 1 and ONE_WRITER_PER_SAVE in str(errors[0])
     dcp.async_save(_step(1), storage_writer=writer, no_dist=True).result(timeout=60)
     dcp.save(_step(2), storage_writer=writer, checkpoint_id=tmp_path / "D", no_dist=True)
-    assert (_holds(tmp_path / "B"), _holds(tmp_path / "C")) == (1.0, None)
+    assert (_holds(tmp_path / "B"), _holds(tmp_path / "C"), _holds(tmp_path / "D")) == (1.0, None, 2.0)
 
 
-def test_a_save_thread_never_inherits_a_failed_saves_location(tmp_path: Path) -> None:
-    # An async save with a checkpoint_id that DCP fails after our reset(X) leaves X's session under
-    # its thread's ident; the next save's thread usually gets the same ident (pthreads reuse it),
-    # and must still save where its own caller pointed, not at X.
+def test_a_save_dcp_stopped_between_our_hooks_frees_its_writer(tmp_path: Path) -> None:
+    # An async save with a checkpoint_id that DCP fails after our reset(X): its thread ends without
+    # our hooks knowing. The writer's next save is not refused for it; it goes where the last
+    # reset pointed (X), as with DCP's FileSystemWriter, whose path sticks.
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class Failing(DefaultSavePlanner):
@@ -559,26 +588,34 @@ def test_a_save_thread_never_inherits_a_failed_saves_location(tmp_path: Path) ->
 
     b, x = tmp_path / "B", tmp_path / "X"
     writer = UCVolumeWriter(tmp_path / "unused")
-    dcp.save(_step(1), storage_writer=writer, checkpoint_id=b, no_dist=True)  # this thread points at B
+    dcp.save(_step(1), storage_writer=writer, checkpoint_id=b, no_dist=True)
     failed = dcp.async_save(_step(2), storage_writer=writer, checkpoint_id=x, planner=Failing(), no_dist=True)
     with pytest.raises(BaseException, match="planner failed"):
         failed.result(timeout=60)
     dcp.async_save(_step(3), storage_writer=writer, no_dist=True).result(timeout=60)
-    assert (_holds(b), _holds(x)) == (3.0, None)
+    assert (_holds(b), _holds(x)) == (1.0, 3.0)
 
 
 def test_an_async_save_goes_where_the_writer_pointed_when_it_was_called(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Another thread's reset while this save's state is being copied must not move this save.
+    # Another thread's reset while this save's state is being copied is refused: it cannot be the
+    # save's own thread (DCP makes that one after the copy), so this save does not move.
     from uc_checkpoint.dcp import writer as writer_module
 
     a, b = tmp_path / "A", tmp_path / "B"
     writer = UCVolumeWriter(a)
     real = writer_module.cpu_snapshot
+    errors: list[BaseException] = []
+
+    def reset_elsewhere() -> None:
+        try:
+            writer.reset(b)
+        except RuntimeError as exc:
+            errors.append(exc)
 
     def copy_while_another_thread_resets(state: Any, buffers: Any = None) -> Any:
-        other = threading.Thread(target=writer.reset, args=(b,))
+        other = threading.Thread(target=reset_elsewhere)
         other.start()
         other.join(timeout=60)
         return real(state, buffers)
@@ -586,20 +623,23 @@ def test_an_async_save_goes_where_the_writer_pointed_when_it_was_called(
     monkeypatch.setattr(writer_module, "cpu_snapshot", copy_while_another_thread_resets)
     dcp.async_save(_step(1), storage_writer=writer, no_dist=True).result(timeout=60)
     assert (_holds(a), _holds(b)) == (1.0, None)
+    assert len(errors) == 1 and ONE_WRITER_PER_SAVE in str(errors[0])
 
 
-def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_readers_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tmp_path / "A", tmp_path / "B"
-    dcp.save(_big(1.0), storage_writer=UCVolumeWriter(a, file_size_bytes=256 << 10), no_dist=True)
+    dcp.save(
+        _big(1.0), storage_writer=UCVolumeWriter(a, options=WriterOptions(file_size_bytes=256 << 10)), no_dist=True
+    )
     # Cut into other files than A, so that items sit at other offsets under other names.
-    dcp.save(_big(50.0), storage_writer=UCVolumeWriter(b, file_size_bytes=1 << 20), no_dist=True)
+    dcp.save(_big(50.0), storage_writer=UCVolumeWriter(b, options=WriterOptions(file_size_bytes=1 << 20)), no_dist=True)
     _Rendezvous(monkeypatch, "download_file")
-    reader = UCVolumeReader(tmp_path / "nowhere", prefetch_files=True)
     results: dict[str, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
 
     def load(loc: Path) -> None:
         target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
+        reader = UCVolumeReader(tmp_path / "nowhere", options=ReaderOptions(prefetch_files=True))
         try:
             dcp.load(target, storage_reader=reader, checkpoint_id=loc, no_dist=True)
         except BaseException as exc:  # noqa: BLE001 - checked below
@@ -616,7 +656,32 @@ def test_one_reader_two_loads_at_once(tmp_path: Path, monkeypatch: pytest.Monkey
     assert torch.equal(results["B"]["t3"], torch.full((64, 1024), 53.0))
 
 
-def test_a_writer_pickles_without_its_sessions(tmp_path: Path) -> None:
+def test_a_second_load_through_a_reader_in_flight_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = tmp_path / "A"
+    dcp.save(_big(1.0), storage_writer=UCVolumeWriter(a), no_dist=True)
+    reader = UCVolumeReader(a, options=ReaderOptions(prefetch_files=True))
+    inside, release = threading.Event(), threading.Event()
+    real = LocalVolume.download_file
+
+    def held(volume: LocalVolume, *args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        assert release.wait(60)
+        return real(volume, *args, **kwargs)
+
+    monkeypatch.setattr(LocalVolume, "download_file", held)
+    target = {k: torch.zeros(64, 1024) for k in _big(0.0)}
+    first = threading.Thread(target=lambda: dcp.load(target, storage_reader=reader, no_dist=True))
+    first.start()
+    assert inside.wait(60)
+    with pytest.raises(BaseException, match="use a new UCVolumeReader for each load"):
+        dcp.load({k: torch.zeros(64, 1024) for k in _big(0.0)}, storage_reader=reader, no_dist=True)
+    release.set()
+    first.join(timeout=120)
+    assert torch.equal(target["t3"], torch.full((64, 1024), 4.0))
+    dcp.load(target, storage_reader=reader, no_dist=True)  # over: the reader takes the next load
+
+
+def test_a_writer_pickles_idle_at_its_location(tmp_path: Path) -> None:
     # DCP's PROCESS mode pickles the writer; a save of it in progress here must not travel.
     writer = UCVolumeWriter(tmp_path / "p0")
     dcp.save(_big(1.0), storage_writer=writer, checkpoint_id=tmp_path / "A", no_dist=True)
@@ -626,14 +691,18 @@ def test_a_writer_pickles_without_its_sessions(tmp_path: Path) -> None:
     assert (tmp_path / "C" / ".metadata").is_file()
 
 
-def test_a_save_without_checkpoint_id_stays_where_the_writer_pointed(tmp_path: Path) -> None:
-    # The second call's reset(Q) runs in its own thread and can come before the first save's thread
-    # starts: the first save must still go where the writer pointed when it was called.
+def test_two_async_saves_through_one_writer_second_refused(tmp_path: Path) -> None:
+    # The second call's stage() runs on the caller's thread while the first is staged or running:
+    # refused at once, before it copies anything; the first goes where the writer pointed.
     for i in range(25):
         writer = UCVolumeWriter(tmp_path / f"P{i}")
         first = dcp.async_save({"w": torch.ones(16)}, storage_writer=writer, no_dist=True)
+        with pytest.raises(RuntimeError, match=ONE_WRITER_PER_SAVE):
+            dcp.async_save(
+                {"w": torch.full((16,), 2.0)}, storage_writer=writer, checkpoint_id=tmp_path / f"Q{i}", no_dist=True
+            )
         second = dcp.async_save(
-            {"w": torch.full((16,), 2.0)}, storage_writer=writer, checkpoint_id=tmp_path / f"Q{i}", no_dist=True
+            {"w": torch.full((16,), 2.0)}, storage_writer=UCVolumeWriter(tmp_path / f"Q{i}"), no_dist=True
         )
         first.result(timeout=60)
         second.result(timeout=60)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.conftest import HeldInWriteStep
 from tests.support.s3_fixtures import FaultProxy
 from uc_checkpoint import UCVolumeWriter
+from uc_checkpoint.dcp.options import Staging, WriterOptions
 from uc_checkpoint.errors import CheckpointNotFoundError, TransferError, VolumeError, rank_error
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume, S3Volume
@@ -66,7 +67,7 @@ def test_no_checkpoint_is_none_and_load_says_so(tmp_path: Path, staging: Path) -
 
 def test_latest_skips_broken_and_unpublished_checkpoints(tmp_path: Path, staging: Path, caplog) -> None:
     root = tmp_path / "run"
-    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    manager = CheckpointManager(str(root), keep_last=None, staging=Staging(mode="sync"))
     for step in (1, 2, 3, 4):
         manager.save(step, state(step))
     # 4: a data file is missing; 3: a data file was truncated; 2: .metadata is garbage.
@@ -129,7 +130,7 @@ def test_store_errors_are_retried_then_raised_never_taken_for_no_checkpoint(
     s3_server: str, s3_bucket: str, fault_proxy: FaultProxy, fast_retries, staging: Path, fails, call, match
 ) -> None:
     root = S3Volume(f"s3://{s3_bucket}/listed", endpoint_url=fault_proxy.url, max_attempts=1)
-    manager = CheckpointManager(root, async_save=False, list_backoff_s=0.01)
+    manager = CheckpointManager(root, list_backoff_s=0.01, staging=Staging(mode="sync"))
     manager.save(4, state(4))
     fault_proxy.match = fails
     fault_proxy.fail_all = True
@@ -145,7 +146,7 @@ def test_loading_a_step_that_was_never_published_raises_not_found_itself(tmp_pat
     """Not DCP's CheckpointException around it: that is a BaseException, which a caller's
     ``except CheckpointNotFoundError`` (or ``except Exception``) would not catch."""
     root = tmp_path / "run"
-    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    manager = CheckpointManager(str(root), keep_last=None, staging=Staging(mode="sync"))
     manager.save(1, state(1))
     (root / "step_00000002").mkdir()  # 2: a save that never finished (data files, no .metadata)
     (root / "step_00000002" / "__0_deadbeef_0.distcp").write_bytes(b"x" * 10)
@@ -169,8 +170,8 @@ def test_missing_bucket_is_an_error_not_an_empty_root(s3_server: str, fast_retri
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager("/tmp/x", keep_last=0)
-    with pytest.raises(ValueError, match="async_mode"):
-        CheckpointManager("/tmp/x", async_mode="fork")
+    with pytest.raises(ValueError, match=r"Staging\.mode must be one of"):
+        CheckpointManager("/tmp/x", staging=Staging(mode="fork"))
     with pytest.raises(ValueError, match="step must be >= 0"):
         CheckpointManager("/tmp/x").save(-1, {})
     with pytest.raises(TypeError, match="root must be"):
@@ -180,14 +181,14 @@ def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="step must be an int"):
         CheckpointManager("/tmp/x").save("5", {})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="upload_workers must be an int"):
-        UCVolumeWriter("/tmp/x", upload_workers="4")  # type: ignore[arg-type]
+        UCVolumeWriter("/tmp/x", options=WriterOptions(upload_workers="4"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="path must be"):
         UCVolumeWriter(None)  # type: ignore[arg-type]
 
 
 def test_pointer_never_moves_back_and_sync_save_returns_metadata(tmp_path: Path, staging: Path) -> None:
     root = tmp_path / "run"
-    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    manager = CheckpointManager(str(root), keep_last=None, staging=Staging(mode="sync"))
     assert manager.save(5, state(5)).result().storage_data  # DCP's Metadata, as async saves give
     manager.save(2, state(2))  # an older step saved again (e.g. a re-run)
     assert manager.read_latest_pointer()["step"] == 5
@@ -196,7 +197,7 @@ def test_pointer_never_moves_back_and_sync_save_returns_metadata(tmp_path: Path,
 
 def test_prune_keeps_protected_and_newer_unpublished_locations(tmp_path: Path, staging: Path) -> None:
     root = tmp_path / "run"
-    manager = CheckpointManager(str(root), keep_last=None, async_save=False, write_pointer=False)
+    manager = CheckpointManager(str(root), keep_last=None, write_pointer=False, staging=Staging(mode="sync"))
     for step in (1, 2, 3):
         manager.save(step, state(step))
     # An unpublished newer location (another job's save in progress, or a crash leftover) is not
@@ -259,18 +260,18 @@ def one_rank(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
 
 
-@pytest.mark.parametrize("async_staging", [False, True], ids=["staged-in-save", "async-staging"])
+@pytest.mark.parametrize("background_copy", [False, True], ids=["staged-in-save", "background-copy"])
 @pytest.mark.parametrize(
     ("published", "in_flight", "asked"),
     [((), 1, None), ((), 1, 1), ((1,), 2, None), ((1,), 2, 2)],
     ids=["save-1-load", "save-1-load-step-1", "1-published-save-2-load", "1-published-save-2-load-step-2"],
 )
 def test_load_waits_for_the_managers_own_save_in_flight(
-    tmp_path: Path, staging: Path, one_rank: None, async_staging: bool, published: tuple, in_flight: int, asked
+    tmp_path: Path, staging: Path, one_rank: None, background_copy: bool, published: tuple, in_flight: int, asked
 ) -> None:
     """The save in flight is held after its staging (with async staging: staged, not uploaded), so
     ``load()`` is called while nothing of it is published: it must wait and load that step."""
-    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, async_staging=async_staging)
+    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, staging=Staging(background_copy=background_copy))
     for step in published:
         manager.save(step, {"w": torch.full((1000,), float(step)), "step": step})
         manager.wait()

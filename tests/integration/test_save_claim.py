@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.conftest import cause
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import LocationNotEmptyError, TransferError
 from uc_checkpoint.format.integrity import FileRecord
 from uc_checkpoint.format.layout import parse_save_marker
@@ -64,7 +65,9 @@ def test_the_claim_overlaps_serialising_and_precedes_every_upload(tmp_path: Path
     sd = {"w": torch.arange(1 << 16, dtype=torch.float32), "x": Serialised(events)}
     volume = SlowListingVolume(tmp_path / "ckpt", events, delay_s=0.3)
     started = time.perf_counter()
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    dcp.save(
+        sd, storage_writer=UCVolumeWriter(volume, sync_files=False, options=WriterOptions(file_size_bytes=64 << 10))
+    )
     assert time.perf_counter() - started >= 0.3
     first_upload = events.index("upload")
     # Serialising began while the location was being listed (before the marker), and nothing
@@ -82,7 +85,9 @@ def test_the_serialiser_does_not_wait_for_the_claim(tmp_path: Path, staging: Pat
     events: list[str] = []
     sd = {f"w{i}": torch.full((1 << 14,), float(i)) for i in range(6)}  # 64 KiB each
     volume = SlowListingVolume(tmp_path / "ckpt", events, delay_s=0.5, staging=staging)
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    dcp.save(
+        sd, storage_writer=UCVolumeWriter(volume, sync_files=False, options=WriterOptions(file_size_bytes=64 << 10))
+    )
     published = sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp"))
     assert len(published) >= 3
     assert volume.staged_at_marker == published, (volume.staged_at_marker, published)
@@ -99,7 +104,10 @@ def test_a_refused_claim_uploads_nothing(tmp_path: Path, staging: Path) -> None:
     events: list[str] = []
     volume = SlowListingVolume(dest, events, delay_s=0.2)
     with pytest.raises(CheckpointException) as ei:
-        dcp.save({"w": torch.ones(1 << 16)}, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10))
+        dcp.save(
+            {"w": torch.ones(1 << 16)},
+            storage_writer=UCVolumeWriter(volume, options=WriterOptions(file_size_bytes=64 << 10)),
+        )
     assert isinstance(cause(ei), LocationNotEmptyError) and "notes.txt" in str(cause(ei))
     assert "upload" not in events and "marker" not in events, events
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
@@ -138,7 +146,9 @@ def test_uploads_wait_for_the_marker_not_for_the_claims_put(tmp_path: Path, stag
     events: list[str] = []
     volume = LateClaimVolume(tmp_path / "ckpt", events)
     sd = {f"w{i}": torch.full((1 << 14,), float(i)) for i in range(4)}  # 64 KiB each
-    dcp.save(sd, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+    dcp.save(
+        sd, storage_writer=UCVolumeWriter(volume, sync_files=False, options=WriterOptions(file_size_bytes=64 << 10))
+    )
     assert not volume.waited_out, events
     assert events.index("marker") < events.index("upload") < events.index("claim") < events.index(".metadata"), events
     out = {k: torch.zeros(1 << 14) for k in sd}
@@ -151,13 +161,16 @@ def test_a_claim_that_fails_after_uploads_began_publishes_nothing_and_keeps_the_
 ) -> None:
     dest = tmp_path / "ckpt"
     old = {f"w{i}": torch.full((1 << 14,), -1.0 - i) for i in range(4)}
-    dcp.save(old, storage_writer=UCVolumeWriter(dest, file_size_bytes=64 << 10))
+    dcp.save(old, storage_writer=UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=64 << 10)))
     before = {p.name: p.read_bytes() for p in dest.iterdir() if p.name == ".metadata" or p.suffix == ".distcp"}
     events: list[str] = []
     volume = LateClaimVolume(dest, events, fail=True)
     new = {k: torch.full((1 << 14,), float(i)) for i, k in enumerate(old)}
     with pytest.raises(CheckpointException) as ei:
-        dcp.save(new, storage_writer=UCVolumeWriter(volume, file_size_bytes=64 << 10, sync_files=False))
+        dcp.save(
+            new,
+            storage_writer=UCVolumeWriter(volume, sync_files=False, options=WriterOptions(file_size_bytes=64 << 10)),
+        )
     assert isinstance(cause(ei), TransferError) and ".uc-claim" in str(cause(ei)), cause(ei)
     assert "upload" in events and ".metadata" not in events, events
     # The checkpoint that was there is whole and still the published one.

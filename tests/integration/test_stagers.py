@@ -3,8 +3,8 @@ synchronous and asynchronous staging, with and without shared memory, in DCP's T
 modes (PROCESS pickles the writer and the staged state into its daemon), on two real ranks (gloo on
 CPU), beside the writer's own ``stage()``. Every checkpoint loads back resharded with the values of
 the save call although training changed every tensor in place as soon as the staging was done;
-and CheckpointManager(async_staging=True) in both modes (``wait_until_staged()``, then the step),
-and CheckpointManager(reuse_staging_buffers=True) in THREAD mode (two saves, each its own values)."""
+and CheckpointManager(staging=Staging(background_copy=True)) in both modes (``wait_until_staged()``, then the step),
+and CheckpointManager(staging=Staging(reuse_buffers=True)) in THREAD mode (two saves, each its own values)."""
 
 from __future__ import annotations
 

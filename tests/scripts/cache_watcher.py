@@ -12,13 +12,14 @@ import sys
 import warnings
 
 import tests.support.caching_fs  # noqa: F401 - registers the uccache:// and uccachenr:// protocols
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
 
 
 def main() -> int:
-    manager = CheckpointManager(sys.argv[1], async_save=False)
+    manager = CheckpointManager(sys.argv[1], staging=Staging(mode="sync"))
     for line in sys.stdin:
         command = line.strip()
         if command == "latest":

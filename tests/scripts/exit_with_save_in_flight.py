@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from uc_checkpoint import UCVolumeWriter
+from uc_checkpoint.dcp.options import Staging, WriterOptions
 from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
@@ -42,7 +43,7 @@ def main() -> None:
         stager = DefaultStager(StagingOptions(False, False, True, False)) if kind == "stager" else None
         dcp.async_save(
             state,
-            storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20),
+            storage_writer=UCVolumeWriter(location, options=WriterOptions(file_size_bytes=2 << 20)),
             async_checkpointer_type=kind_of,
             async_stager=stager,
         )
@@ -52,12 +53,16 @@ def main() -> None:
             # Wait for the exit to start: concurrent.futures' exit callback has set its flag.
             while not concurrent.futures.thread._shutdown:  # type: ignore[attr-defined]
                 threading.Event().wait(0.01)
-            dcp.save(state, storage_writer=UCVolumeWriter(location, file_size_bytes=2 << 20), no_dist=True)
+            dcp.save(
+                state,
+                storage_writer=UCVolumeWriter(location, options=WriterOptions(file_size_bytes=2 << 20)),
+                no_dist=True,
+            )
             print("LATE SAVE DONE", flush=True)
 
         threading.Thread(target=late, daemon=False).start()
     else:
-        manager = CheckpointManager(location, async_mode=mode, writer_options={"file_size_bytes": 2 << 20})
+        manager = CheckpointManager(location, staging=Staging(mode=mode), writer=WriterOptions(file_size_bytes=2 << 20))
         manager.save(5, state)
     print("SCRIPT END", flush=True)
 

@@ -6,7 +6,7 @@ harness SIGSTOPs the victim (and, for a node, its torchrun agent) once it has wr
 
 Usage: hung_peer.py WORKDIR SCENARIO
 
-Scenarios (``SCENARIOS``; ``process`` saves with ``async_mode="process"``; ``node`` passes the
+Scenarios (``SCENARIOS``; ``process`` saves with ``Staging(mode="process")``; ``node`` passes the
 manager a ``process_group`` made by ``new_group()``, whose timeout is torch's 30-minute default,
 as the README's loop does): the group's timeout (``init_process_group(timeout=...)``), the
 manager's own (``CheckpointManager(timeout=...)``, None: the group's), the victim's rank and the
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops import manager as manager_module
 from uc_checkpoint.ops.interval import EverySeconds
 from uc_checkpoint.ops.manager import CheckpointManager
@@ -60,7 +61,7 @@ SCENARIOS: dict[str, tuple[float, float | None, int, list[str]]] = {
     "rank": (3.0, None, 1, ["load", "preemption", "latest", "save", "again", "final", "exit"]),
     "manager-timeout": (120.0, 3.0, 0, ["should_save", "latest", "preemption"]),
     "node": (3.0, None, 1, ["exit"]),
-    "process": (3.0, None, 1, ["save", "exit"]),  # async_mode="process"
+    "process": (3.0, None, 1, ["save", "exit"]),  # Staging(mode="process")
 }
 
 
@@ -111,8 +112,8 @@ def main() -> int:
             keep_last=None,
             timeout=manager_s,
             save_interval=policy,
-            async_mode="process" if scenario == "process" else "thread",
             process_group=own_group,
+            staging=Staging(mode="process" if scenario == "process" else "thread"),
         )
         assert m.preemption_requested() is False  # creates the manager's groups
         m.save(1, state(1))

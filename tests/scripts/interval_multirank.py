@@ -37,7 +37,7 @@ def state(step: int, rank: int) -> dict:
 
 def loop(root: Path, name: str, policy: IntervalPolicy) -> None:
     rank = dist.get_rank()
-    manager = CheckpointManager(str(root / name), keep_last=None, async_save=True, save_interval=policy)
+    manager = CheckpointManager(str(root / name), keep_last=None, save_interval=policy)
     # Different step times per rank: the leader's clock decides for both.
     step_s = 0.01 if rank == 0 else 0.03
     saved = []

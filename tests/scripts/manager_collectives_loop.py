@@ -22,6 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.manager import CheckpointManager
 
 warnings.filterwarnings("ignore")
@@ -37,7 +38,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(backend="gloo") if group_kind == "own" else None
-    manager = CheckpointManager(root, keep_last=None, process_group=group, async_mode=mode)
+    manager = CheckpointManager(root, keep_last=None, process_group=group, staging=Staging(mode=mode))
     rng = random.Random(rank * 7919 + steps)
     for step in range(1, steps + 1):
         value = torch.tensor([float(step * (rank + 1))])

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.errors import LocationNotEmptyError, VolumeError, rank_error
 from uc_checkpoint.ops.manager import CheckpointManager
 
@@ -92,11 +93,13 @@ def loaded(target: dict[str, Any], step: int, rank: int) -> bool:
 
 
 def load_right_after_save(
-    root: Path, group: dist.ProcessGroup, async_staging: bool, published: bool, explicit: bool
+    root: Path, group: dist.ProcessGroup, background_copy: bool, published: bool, explicit: bool
 ) -> None:
     """Save (step 2 over a published step 1, or step 1), then at once load it on every rank."""
     rank = dist.get_rank()
-    manager = CheckpointManager(str(root), keep_last=None, async_staging=async_staging, process_group=group)
+    manager = CheckpointManager(
+        str(root), keep_last=None, process_group=group, staging=Staging(background_copy=background_copy)
+    )
     step = 2 if published else 1
     if published:
         manager.save(1, big_state(1, rank))
@@ -135,11 +138,11 @@ def load_after_failing_save(root: Path, group: dist.ProcessGroup) -> None:
 
 
 def inflight(root: Path, group: dist.ProcessGroup) -> None:
-    for async_staging in (False, True):
+    for background_copy in (False, True):
         for published in (False, True):
             for explicit in (False, True):
-                name = f"inflight-{'async-staging' if async_staging else 'staged'}-{int(published)}-{int(explicit)}"
-                load_right_after_save(root / name, group, async_staging, published, explicit)
+                name = f"inflight-{'background-copy' if background_copy else 'staged'}-{int(published)}-{int(explicit)}"
+                load_right_after_save(root / name, group, background_copy, published, explicit)
                 dist.barrier()
                 if dist.get_rank() == 0:
                     shutil.rmtree(root / name)  # each sequence writes hundreds of MB

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import StagingError, TransferError, VolumeError
 from uc_checkpoint.volumes import LocalVolume, S3Volume, open_volume
 
@@ -132,7 +133,7 @@ def round_trip(dest: str, mode: str, mesh: object) -> None:
         f"rank{rank}": torch.full((5,), float(rank)),
         "meta": {"step": 42, "world": world},
     }
-    writer = UCVolumeWriter(dest, file_size_bytes=4096, upload_workers=2)
+    writer = UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=4096, upload_workers=2))
     if mode == "sync":
         dcp.save(sd, storage_writer=writer)
     elif mode == "thread":

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from uc_checkpoint import UCSavePlanner, UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 
 warnings.filterwarnings("ignore")
 
@@ -40,7 +41,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for mode, planner in (("default", None), ("uc", UCSavePlanner())):
-        dcp.save(state(rank), storage_writer=UCVolumeWriter(f"{root}/{mode}", file_size_bytes=1 << 20), planner=planner)
+        dcp.save(
+            state(rank),
+            storage_writer=UCVolumeWriter(f"{root}/{mode}", options=WriterOptions(file_size_bytes=1 << 20)),
+            planner=planner,
+        )
         back = state(rank, fill=0.0)
         dcp.load(back, storage_reader=UCVolumeReader(f"{root}/{mode}"))
         want = state(rank)

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 
 warnings.filterwarnings("ignore")
 
@@ -39,7 +40,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {f"rank{rank}": state(rank)}  # keys of this rank only: every rank writes its own files
     for mode, spread in (("flat", 1), ("spread", world)):
-        writer = UCVolumeWriter(f"{root}/{mode}", file_size_bytes=1024, upload_workers=4, spread_prefixes=spread)
+        writer = UCVolumeWriter(
+            f"{root}/{mode}", options=WriterOptions(file_size_bytes=1024, upload_workers=4, spread_prefixes=spread)
+        )
         dist.barrier()
         started = time.perf_counter()
         dcp.save(mine, storage_writer=writer)
@@ -54,7 +57,10 @@ def main() -> None:
         print(f"RANK {rank} {mode} OK {took:.2f} {retries}", flush=True)
     if len(sys.argv) > 2:
         local = sys.argv[2]
-        dcp.save(mine, storage_writer=UCVolumeWriter(local, file_size_bytes=1024, spread_prefixes=world))
+        dcp.save(
+            mine,
+            storage_writer=UCVolumeWriter(local, options=WriterOptions(file_size_bytes=1024, spread_prefixes=world)),
+        )
         everything = {f"rank{r}": {k: torch.zeros(ELEMENTS) for k in state(r)} for r in range(world)}
         dcp.load(everything, storage_reader=FileSystemReader(local))
         for r in range(world):

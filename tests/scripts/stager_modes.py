@@ -7,7 +7,7 @@ Training goes on as soon as it may: right after ``async_save`` returns (synchron
 right after ``staging_completion`` is done (asynchronous staging), every tensor of the state is
 changed in place, so a staged copy that still aliased the training state would be caught.
 
-Then ``CheckpointManager(async_staging=True)`` in both modes: the loop calls ``wait_until_staged()``
+Then ``CheckpointManager(staging=Staging(background_copy=True))`` in both modes: the loop calls ``wait_until_staged()``
 and changes the state; the checkpoint has the values of the save call.
 
 Prints ``RANK <r> <mode> <stager> OK`` per combination (``manager`` for the manager); any mismatch
@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from uc_checkpoint import CheckpointManager, UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import Staging, WriterOptions
 
 warnings.filterwarnings("ignore")
 
@@ -70,7 +71,7 @@ def round_trip(root: str, mode: str, name: str, mesh: object) -> None:
         stager = DefaultStager(StagingOptions(False, options[0], options[1], False))
     kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
     dest = f"{root}/{mode}-{name}"
-    writer = UCVolumeWriter(dest, file_size_bytes=4096, upload_workers=2)
+    writer = UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=4096, upload_workers=2))
     response = dcp.async_save(sd, storage_writer=writer, async_stager=stager, async_checkpointer_type=kind)
     if isinstance(response, AsyncSaveResponse):
         assert options is not None and options[1], f"{name}: a staging future from synchronous staging"
@@ -112,9 +113,9 @@ def round_trip(root: str, mode: str, name: str, mesh: object) -> None:
 
 
 def manager_round_trip(root: str, mode: str, mesh: object) -> None:
-    """CheckpointManager(async_staging=True): the loop waits for the staging, then steps."""
+    """CheckpointManager(staging=Staging(background_copy=True)): the loop waits for the staging, then steps."""
     rank = dist.get_rank()
-    manager = CheckpointManager(f"{root}/manager-{mode}", async_staging=True, async_mode=mode)
+    manager = CheckpointManager(f"{root}/manager-{mode}", staging=Staging(background_copy=True, mode=mode))
     sd, expected = state(mesh, rank, 3), state(mesh, rank, 3)
     manager.save(5, sd)
     manager.wait_until_staged()
@@ -131,11 +132,11 @@ def manager_round_trip(root: str, mode: str, mesh: object) -> None:
 
 
 def manager_reuse_round_trip(root: str, mode: str, mesh: object) -> None:
-    """CheckpointManager(reuse_staging_buffers=True): the second save copies into the first's
+    """CheckpointManager(staging=Staging(reuse_buffers=True)): the second save copies into the first's
     buffers, and each checkpoint holds its own step's values (THREAD mode only: the manager refuses
     the option in PROCESS mode, which hands each snapshot to DCP's daemon)."""
     rank = dist.get_rank()
-    manager = CheckpointManager(f"{root}/manager-reuse-{mode}", reuse_staging_buffers=True, async_mode=mode)
+    manager = CheckpointManager(f"{root}/manager-reuse-{mode}", staging=Staging(reuse_buffers=True, mode=mode))
     sd, first = state(mesh, rank, 4), state(mesh, rank, 4)
     manager.save(1, sd)
     with torch.no_grad():  # the next optimizer step, while the save uploads

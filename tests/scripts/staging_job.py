@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import WriterOptions
 
 warnings.filterwarnings("ignore")
 
@@ -55,7 +56,9 @@ def main() -> int:
     want = state(mib, seed)
     try:
         if op == "save":
-            writer = UCVolumeWriter(dest, file_size_bytes=(mib + 1) << 20, upload_workers=1, sync_files=False)
+            writer = UCVolumeWriter(
+                dest, sync_files=False, options=WriterOptions(file_size_bytes=(mib + 1) << 20, upload_workers=1)
+            )
             dcp.save(want, storage_writer=writer, no_dist=True)
         else:
             got = {"w": torch.zeros_like(want["w"]), "meta": {"seed": -1}}

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from uc_checkpoint.dcp.options import WriterOptions
+
 PHASES = ("idle", "serialise", "upload", "pre-publish", "retention", "gc")
 SERIALISE, UPLOAD, PRE_PUBLISH, RETENTION, GC = range(1, 6)
 KEYS = tuple("abcdef")
@@ -122,12 +124,7 @@ def save_loop(
     phase = Phase(Path(f"{phase_file}.{rank}"))
     install_probe(phase, random.Random(seed + rank))
     mgr = CheckpointManager(
-        root,
-        keep_last=2,
-        staging_dir=staging,
-        # Small files: many per save, so kills land between files too. No fsync: a killed process
-        # loses nothing the page cache holds (fsync is for power loss, which is not tested here).
-        writer_options={"file_size_bytes": 60_000, "sync_files": False},
+        root, keep_last=2, staging_dir=staging, writer=WriterOptions(file_size_bytes=60_000, sync_files=False)
     )
     step = start_step
     while True:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from uc_checkpoint.dcp.metadata_io import manifest_of, read_metadata
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.engine.listing import checkpoint_entries, locations_below
 from uc_checkpoint.errors import TransferError
 from uc_checkpoint.format.layout import ABANDONED_NAME, METADATA_NAME, checkpoint_name, is_claim
@@ -48,7 +49,7 @@ def root(request, tmp_path: Path, staging: Path) -> Volume:
     """Steps 1 complete, 2 abandoned, 3 with a data file deleted, 4 with a garbage .metadata, 5
     unpublished (a data file only)."""
     volume = make_root(request.param, tmp_path)
-    manager = CheckpointManager(volume, keep_last=None, async_save=False, write_pointer=False)
+    manager = CheckpointManager(volume, keep_last=None, write_pointer=False, staging=Staging(mode="sync"))
     for step in (1, 2, 3, 4):
         manager.save(step, state(step))
     abandon(volume.child(checkpoint_name(2)))
@@ -133,7 +134,7 @@ def test_how_much_ls_checks(root: Volume) -> None:
 
 def test_ls_checks_the_newest_until_one_is_complete(tmp_path: Path, staging: Path, monkeypatch) -> None:
     volume = LocalVolume(tmp_path / "root")
-    manager = CheckpointManager(volume, keep_last=None, async_save=False, write_pointer=False)
+    manager = CheckpointManager(volume, keep_last=None, write_pointer=False, staging=Staging(mode="sync"))
     for step in (1, 2, 3, 4):
         manager.save(step, state(step))
     broken = volume.child(checkpoint_name(4))
@@ -154,7 +155,7 @@ def test_ls_checks_the_newest_until_one_is_complete(tmp_path: Path, staging: Pat
 
 
 def test_the_manager_and_ls_agree_with_the_catalog(root: Volume, caplog) -> None:
-    manager = CheckpointManager(root, keep_last=None, async_save=False)
+    manager = CheckpointManager(root, keep_last=None, staging=Staging(mode="sync"))
     with caplog.at_level(logging.INFO):
         assert manager.latest() == 1
     assert "step_00000004" in caplog.text and "step_00000003" in caplog.text
@@ -168,7 +169,7 @@ def test_the_manager_and_ls_agree_with_the_catalog(root: Volume, caplog) -> None
 
 def test_latest_skips_newer_damage_and_rollbacks_only(tmp_path: Path, staging: Path) -> None:
     volume = LocalVolume(tmp_path / "root")
-    manager = CheckpointManager(volume, keep_last=None, async_save=False, write_pointer=False)
+    manager = CheckpointManager(volume, keep_last=None, write_pointer=False, staging=Staging(mode="sync"))
     assert latest(volume) is None and latest(volume, intact=False) is None
     manager.save(1, state(1))
     manager.save(2, state(2))
@@ -186,7 +187,7 @@ def test_latest_skips_newer_damage_and_rollbacks_only(tmp_path: Path, staging: P
 
 def test_a_broken_and_abandoned_checkpoint(tmp_path: Path, staging: Path) -> None:
     volume = LocalVolume(tmp_path / "root")
-    CheckpointManager(volume, keep_last=None, async_save=False).save(7, state(7))
+    CheckpointManager(volume, keep_last=None, staging=Staging(mode="sync")).save(7, state(7))
     location = volume.child(checkpoint_name(7))
     abandon(location)
     location.delete(data_files(location)[0])
@@ -201,7 +202,7 @@ def test_a_broken_and_abandoned_checkpoint(tmp_path: Path, staging: Path) -> Non
 
 def test_a_checkpoint_unpublished_after_the_listing(tmp_path: Path, staging: Path) -> None:
     volume = LocalVolume(tmp_path / "root")
-    CheckpointManager(volume, keep_last=None, async_save=False).save(3, state(3))
+    CheckpointManager(volume, keep_last=None, staging=Staging(mode="sync")).save(3, state(3))
     info = list_steps(volume)[0]
     volume.child(info.name).delete(METADATA_NAME)
     checked = inspect_step(volume, info)
@@ -275,7 +276,7 @@ def test_ls_counts_only_the_files_the_published_metadata_references(
     a restart) leaves its data files beside the published ones until gc: they are not part of the
     checkpoint, so ls neither counts them in its size nor in its files, and names them apart."""
     root = make_root(kind, tmp_path)
-    CheckpointManager(root, keep_last=None, async_save=False, write_pointer=False).save(7, state(7))
+    CheckpointManager(root, keep_last=None, write_pointer=False, staging=Staging(mode="sync")).save(7, state(7))
     location = root.child(checkpoint_name(7))
     listing = location.list_files()
     own_data = sorted((manifest_of(read_metadata(location)) or {})["files"])

@@ -34,6 +34,7 @@ from uc_checkpoint.dcp.metadata_io import (
     is_allowed_global,
     load_metadata,
 )
+from uc_checkpoint.dcp.options import ReaderOptions, WriterOptions
 from uc_checkpoint.errors import UnsafeMetadataError
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -49,7 +50,7 @@ def load_error(dest: Path, sd: dict, **kwargs: Any) -> BaseException:
     (nothing is read after a refusal) and return the inner error."""
     template = empty_like_state_dict(sd)
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(template, storage_reader=UCVolumeReader(dest, **kwargs))
+        dcp.load(template, storage_reader=UCVolumeReader(dest, options=ReaderOptions(**kwargs)))
     assert_untouched(template)
     return cause(ei)
 
@@ -144,7 +145,7 @@ def saved(tmp_path: Path, staging: Path) -> tuple[Path, dict]:
     """A small checkpoint written by UCVolumeWriter, split into several data files."""
     sd = make_state_dict(21, n=3, rows=64)
     dest = tmp_path / "ckpt"
-    dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=20_000))
+    dcp.save(sd, storage_writer=UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=20_000)))
     assert len(data_files(dest)) >= 3
     return dest, sd
 
@@ -195,17 +196,19 @@ def test_allow_unsafe_metadata_opts_in(saved: tuple[Path, dict]) -> None:
     assert "collections.Counter" in str(err) and str(meta_path) in str(err)
 
     # The opt-in really unpickles the foreign global, and the checkpoint still loads correctly.
-    loaded = UCVolumeReader(dest, allow_unsafe_metadata=True).load_metadata()
+    loaded = UCVolumeReader(dest, options=ReaderOptions(allow_unsafe_metadata=True)).load_metadata()
     assert loaded.extra == collections.Counter({"a": 2})  # type: ignore[attr-defined]
     out = empty_like_state_dict(sd)
-    dcp.load(out, storage_reader=UCVolumeReader(dest, allow_unsafe_metadata=True))
+    dcp.load(out, storage_reader=UCVolumeReader(dest, options=ReaderOptions(allow_unsafe_metadata=True)))
     assert_state_dict_equal(out, sd)
 
 
 def test_reader_keeps_the_opt_in_when_pickled(tmp_path: Path) -> None:
     for flag in (False, True):
-        clone = pickle.loads(pickle.dumps(UCVolumeReader(tmp_path / "a", allow_unsafe_metadata=flag)))
-        assert clone.allow_unsafe_metadata is flag
+        clone = pickle.loads(
+            pickle.dumps(UCVolumeReader(tmp_path / "a", options=ReaderOptions(allow_unsafe_metadata=flag)))
+        )
+        assert clone.options.allow_unsafe_metadata is flag
 
 
 # ---- paths that leave the checkpoint -------------------------------------------------------------
@@ -345,7 +348,10 @@ def test_flipped_byte_in_data_file(saved: tuple[Path, dict], prefetch_files: boo
     data[len(data) // 2] ^= 0x10
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(dest, prefetch_files=prefetch_files))
+        dcp.load(
+            empty_like_state_dict(sd),
+            storage_reader=UCVolumeReader(dest, options=ReaderOptions(prefetch_files=prefetch_files)),
+        )
     err = cause(ei)
     assert isinstance(err, CorruptCheckpointError) and str(victim) in str(err) and "checksum" in str(err)
 
@@ -356,7 +362,10 @@ def test_missing_data_file(saved: tuple[Path, dict], prefetch_files: bool) -> No
     victim = dest / data_files(dest)[-1]
     victim.unlink()
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(dest, prefetch_files=prefetch_files))
+        dcp.load(
+            empty_like_state_dict(sd),
+            storage_reader=UCVolumeReader(dest, options=ReaderOptions(prefetch_files=prefetch_files)),
+        )
     err = cause(ei)
     assert isinstance(err, CorruptCheckpointError) and str(victim) in str(err) and "missing" in str(err)
 

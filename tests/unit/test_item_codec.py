@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.dcp.item_codec import MAX_FAST_BYTES, ItemCodec
+from uc_checkpoint.dcp.options import ReaderOptions
 from uc_checkpoint.errors import CorruptCheckpointError, ItemChecksumError, rank_error
 
 DTYPES = [
@@ -152,7 +153,7 @@ def test_checkpoints_of_small_tensors_round_trip_with_stock_dcp(
         out = _zeros_like(sd)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="uc_checkpoint"):
-            dcp.load(out, storage_reader=UCVolumeReader(where, prefetch_files=prefetch_files))
+            dcp.load(out, storage_reader=UCVolumeReader(where, options=ReaderOptions(prefetch_files=prefetch_files)))
         # With a manifest (ours) the big tensor is copied straight into place too; without one its
         # archive CRC must be checked, which torch.load's path does.
         expected = "351 of 351" if where == ours else "350 of 351"
@@ -177,7 +178,10 @@ def test_a_damaged_small_tensor_in_a_stock_checkpoint_is_named(
     raw[at] ^= 0x10
     data_file.write_bytes(bytes(raw))
     with pytest.raises(CheckpointException) as info:
-        dcp.load(_zeros_like(sd), storage_reader=UCVolumeReader(tmp_path, prefetch_files=prefetch_files))
+        dcp.load(
+            _zeros_like(sd),
+            storage_reader=UCVolumeReader(tmp_path, options=ReaderOptions(prefetch_files=prefetch_files)),
+        )
     error = rank_error(info.value)
     assert isinstance(error, CorruptCheckpointError), error
     assert data_file.name in str(error) and "model.w7" in str(error) and "crc32" in str(error)

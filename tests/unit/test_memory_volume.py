@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.conftest import assert_state_dict_equal, empty_like_state_dict, make_state_dict
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.errors import CheckpointExistsError, TransferError, VolumeError
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import FsspecVolume, MemoryStore, MemoryVolume, Volume, open_volume
@@ -131,7 +132,7 @@ def test_dcp_save_load_and_manager_on_memory(staging: Path) -> None:
     assert_state_dict_equal(sd, out)
 
     root = MemoryVolume("managed")
-    manager = CheckpointManager(root, keep_last=2, async_save=False)
+    manager = CheckpointManager(root, keep_last=2, staging=Staging(mode="sync"))
     for step in (1, 2, 3):
         manager.save(step, make_state_dict(step, n=1)).result()
     assert [info.step for info in manager.list()] == [2, 3] and manager.latest() == 3

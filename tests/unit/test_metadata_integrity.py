@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from uc_checkpoint import UCVolumeReader, UCVolumeWriter, verify_checkpoint
 from uc_checkpoint.dcp.metadata_io import TRAILER_PREFIX, dump_metadata, load_metadata
+from uc_checkpoint.dcp.options import ReaderOptions
 from uc_checkpoint.errors import CorruptCheckpointError, rank_error
 
 
@@ -45,7 +46,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 def _load(loc: Path, **kwargs: object) -> dict:
     out = _blank()
-    dcp.load(out, storage_reader=UCVolumeReader(loc, **kwargs), no_dist=True)
+    dcp.load(out, storage_reader=UCVolumeReader(loc, options=ReaderOptions(**kwargs)), no_dist=True)
     return out
 
 
@@ -119,7 +120,7 @@ def _metadata_refused(loc: Path, **kwargs: object) -> bool:
     ``.metadata`` with a CorruptCheckpointError naming ``loc``: then the load raises that very error,
     so the sweep runs a whole load only for the flips ``read_metadata()`` lets through."""
     try:
-        UCVolumeReader(loc, **kwargs).read_metadata()
+        UCVolumeReader(loc, options=ReaderOptions(**kwargs)).read_metadata()
     except CorruptCheckpointError as exc:
         return str(loc) in str(exc)
     return False

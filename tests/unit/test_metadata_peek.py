@@ -30,6 +30,7 @@ from tests.unit.test_hostile_input import CounterCall, global_pickle, place, ref
 from uc_checkpoint import UCVolumeWriter
 from uc_checkpoint.dcp import metadata_io
 from uc_checkpoint.dcp.metadata_io import data_file_names, dump_metadata, load_metadata, manifest_of, referenced_files
+from uc_checkpoint.dcp.options import WriterOptions
 from uc_checkpoint.errors import CorruptCheckpointError, UnsafeMetadataError
 from uc_checkpoint.format import metadata_peek
 from uc_checkpoint.format.metadata_peek import TORCH_DTYPE_NAMES, PeekedMetadata, peek_metadata
@@ -89,8 +90,8 @@ def rich_state_dict() -> dict[str, Any]:
 
 
 WRITERS: dict[str, Callable[[Path], Any]] = {
-    "ours": lambda dest: UCVolumeWriter(dest, file_size_bytes=4_000),
-    "ours-spread": lambda dest: UCVolumeWriter(dest, spread_prefixes=16),
+    "ours": lambda dest: UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=4_000)),
+    "ours-spread": lambda dest: UCVolumeWriter(dest, options=WriterOptions(spread_prefixes=16)),
     "ours-zstd": lambda dest: UCVolumeWriter(dest, _extensions=EXTENSION_CASES["zstd"]()),
     "ours-rot13": lambda dest: UCVolumeWriter(dest, _extensions=EXTENSION_CASES["rot13"]()),
     "stock": lambda dest: FileSystemWriter(dest),
@@ -148,7 +149,10 @@ def test_the_peek_agrees_on_older_manifest_formats_and_odd_shapes(tmp_path: Path
 def meta(tmp_path: Path, staging: Path) -> Metadata:
     """The decoded ``.metadata`` of a small checkpoint of several data files, written by UCVolumeWriter."""
     dest = tmp_path / "ckpt"
-    dcp.save(make_state_dict(21, n=3, rows=64), storage_writer=UCVolumeWriter(dest, file_size_bytes=20_000))
+    dcp.save(
+        make_state_dict(21, n=3, rows=64),
+        storage_writer=UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=20_000)),
+    )
     return load_metadata((dest / ".metadata").read_bytes(), "m")
 
 

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from uc_checkpoint import UCSavePlanner, UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.dcp.compat import _StoragePrefix
+from uc_checkpoint.dcp.options import ReaderOptions
 from uc_checkpoint.dcp.planner import SMALL_ITEM_BYTES, is_small, place_replicated
 from uc_checkpoint.dcp.serialize import file_queue
 from uc_checkpoint.format.integrity import VERIFY_BLOCK_SIZE
@@ -133,7 +134,7 @@ def test_loading_only_the_small_items_reads_less_than_one_checksum_block(
 
     # No weights: those are another rank's own share.
     back = {k: v for k, v in _step_scalars_and_weights(fill=0.0).items() if not k.startswith("model.")}
-    reader = UCVolumeReader(dest, prefetch_files=prefetch_files)
+    reader = UCVolumeReader(dest, options=ReaderOptions(prefetch_files=prefetch_files))
     dcp.load(back, storage_reader=reader)
     want = _step_scalars_and_weights()
     assert back["step"] == want["step"]

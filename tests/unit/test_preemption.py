@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.preemption import PreemptionNotice
 
@@ -46,21 +47,21 @@ def test_manager_preemption_requested(tmp_path: Path) -> None:
 def test_save_final_is_synchronous_without_touching_async_save(
     tmp_path: Path, staging: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manager = CheckpointManager(str(tmp_path / "run"), async_save=True)
+    manager = CheckpointManager(str(tmp_path / "run"))
     calls: list[tuple[bool, bool]] = []
     from uc_checkpoint.ops import inflight
 
     start = inflight.start_dcp_save
 
     def spy(state_dict: Any, writer: Any, group: Any, *, asynchronous: bool, **kwargs: Any) -> Any:
-        calls.append((asynchronous, manager.async_save))
+        calls.append((asynchronous, manager.staging.asynchronous))
         return start(state_dict, writer, group, asynchronous=asynchronous, **kwargs)
 
     monkeypatch.setattr(inflight, "start_dcp_save", spy)
     manager.save(1, {"w": torch.ones(4)})
     assert manager.save_final(2, {"w": torch.full((4,), 2.0)}) is True
     assert calls == [(True, True), (False, True)]  # the final save is sync; the setting never flips
-    assert manager.async_save is True
+    assert manager.staging == Staging()
     assert manager.last_save is not None and manager.last_save.step == 2 and manager.last_save.ok
     assert manager.latest() == 2
 
@@ -84,7 +85,7 @@ def test_save_final_supersedes_a_save_in_flight_that_failed(
         return upload(self, local_path, name, **kwargs)
 
     monkeypatch.setattr(LocalVolume, "upload_file", first_fails)
-    manager = CheckpointManager(str(tmp_path / "run"), async_save=True)
+    manager = CheckpointManager(str(tmp_path / "run"))
     manager.save(1, {"w": torch.ones(4)})
     assert manager.save_final(2, {"w": torch.full((4,), 2.0)}) is True
     assert calls["n"] >= 2

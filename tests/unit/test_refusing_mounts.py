@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.errors import CheckpointExistsError, TransferError
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.volumes import LocalVolume
@@ -117,7 +118,7 @@ def test_saving_a_step_again_replaces_its_metadata(tmp_path: Path, staging: Path
     # that cannot overwrite it, and the old checkpoint's data files go once the new one is published.
     root = tmp_path / "mnt" / "run"
     mount = RefusingMount(tmp_path / "mnt", monkeypatch)
-    manager = CheckpointManager(str(root), keep_last=None, async_save=False)
+    manager = CheckpointManager(str(root), keep_last=None, staging=Staging(mode="sync"))
     manager.save(5, state(5))
     old_files = {p.name for p in (root / "step_00000005").glob("*.distcp")}
     overwrites = mount.refused["overwrite"]
@@ -160,7 +161,7 @@ def test_retention_failing_does_not_stop_the_pointer(tmp_path: Path, staging: Pa
     # retention fails at every save from step 3 on, the pointer is still written each time.
     root = tmp_path / "mnt" / "run"
     mount = RefusingMount(tmp_path / "mnt", monkeypatch, refuse_deleting=".metadata")
-    manager = CheckpointManager(str(root), keep_last=2, async_save=False)
+    manager = CheckpointManager(str(root), keep_last=2, staging=Staging(mode="sync"))
     with caplog.at_level(logging.WARNING, logger="uc_checkpoint.ops.manager"):
         for step in range(1, 5):
             manager.save(step, state(step))

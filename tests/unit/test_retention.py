@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.ops.lineage import retention_plan
 from uc_checkpoint.ops.manager import CheckpointManager
 from uc_checkpoint.ops.retention import steps_to_delete
@@ -86,7 +87,7 @@ def test_never_deletes_among_the_newest_kept() -> None:
 
 
 def test_the_manager_deletes_what_the_policy_names(tmp_path: Path, staging: Path) -> None:
-    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, keep_every=None, async_save=False)
+    manager = CheckpointManager(str(tmp_path / "run"), keep_last=None, keep_every=None, staging=Staging(mode="sync"))
     for step in (1, 2, 3, 4, 5, 6):
         manager.save(step, {"w": torch.full((4,), float(step))})
     manager.keep_last, manager.keep_every = 2, 3

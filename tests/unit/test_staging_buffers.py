@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from uc_checkpoint import CheckpointManager, StagingBuffers, UCVolumeReader, UCVolumeWriter
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.dcp.stager import cpu_snapshot
 
 BIG = 1 << 16  # elements: above the threaded copy's threshold
@@ -218,10 +219,10 @@ def test_a_save_still_serialising_keeps_its_buffers(tmp_path: Path, staging: Pat
 
 
 def test_the_manager_keeps_buffers_when_asked(tmp_path: Path, staging: Path) -> None:
-    for bad in ({"async_save": False}, {"async_staging": True}, {"async_mode": "process"}):
-        with pytest.raises(ValueError, match="reuse_staging_buffers=True needs async_save=True, async_staging=False"):
-            CheckpointManager(tmp_path / "x", reuse_staging_buffers=True, **bad)
-    manager = CheckpointManager(str(tmp_path / "run"), reuse_staging_buffers=True)
+    for bad in ({"mode": "sync"}, {"background_copy": True}, {"mode": "process"}):
+        with pytest.raises(ValueError, match="reuse_buffers=True needs mode='thread' and background_copy=False"):
+            Staging(reuse_buffers=True, **bad)  # type: ignore[arg-type]
+    manager = CheckpointManager(str(tmp_path / "run"), staging=Staging(reuse_buffers=True))
     sd = {"w": torch.arange(BIG, dtype=torch.float32)}
     for step in (1, 2):
         manager.save(step, sd)

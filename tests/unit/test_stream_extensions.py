@@ -32,6 +32,7 @@ from tests.support.stream_extensions import (
 )
 from uc_checkpoint import CorruptCheckpointError, UCVolumeReader, UCVolumeWriter
 from uc_checkpoint.dcp.buffers import StagingBuffers
+from uc_checkpoint.dcp.options import ReaderOptions, WriterOptions
 from uc_checkpoint.format import layout
 from uc_checkpoint.volumes import FsspecVolume
 
@@ -44,7 +45,7 @@ def metadata_of(dest: Path) -> Any:
 
 def load_ours(location: Any, sd: dict, **kw: Any) -> dict:
     out = empty_like_state_dict(sd)
-    dcp.load(out, storage_reader=UCVolumeReader(location, _extension_registry=registry(), **kw))
+    dcp.load(out, storage_reader=UCVolumeReader(location, _extension_registry=registry(), options=ReaderOptions(**kw)))
     return out
 
 
@@ -154,7 +155,7 @@ def test_checksums_and_sizes_are_of_the_compressed_bytes_on_the_volume(tmp_path:
     zeros = next(info for index, info in meta.storage_data.items() if index.fqn == "zeros")
     assert zeros.length < 512 * 1024 * 4 // 50  # stored compressed
     out = {"zeros": torch.ones(512, 1024), "ramp": torch.zeros(300_000, dtype=torch.int64), "step": None}
-    dcp.load(out, storage_reader=UCVolumeReader(dest, prefetch_files=False))
+    dcp.load(out, storage_reader=UCVolumeReader(dest, options=ReaderOptions(prefetch_files=False)))
     assert_state_dict_equal(out, sd)
 
 
@@ -200,7 +201,11 @@ def test_a_smaller_chunk_of_a_transformed_tensor_is_read_right(
     sd = make_state_dict(10)  # w3: 1024 x 64 float32, 256 KiB, one saved chunk
     dest = tmp_path / "ckpt"
     dcp.save(sd, storage_writer=UCVolumeWriter(dest, _extensions=EXTENSION_CASES[case]()))
-    ours = partial_read(UCVolumeReader(dest, prefetch_files=prefetch, _extension_registry=registry()), "w3", (100, 357))
+    ours = partial_read(
+        UCVolumeReader(dest, _extension_registry=registry(), options=ReaderOptions(prefetch_files=prefetch)),
+        "w3",
+        (100, 357),
+    )
     assert torch.equal(ours, sd["w3"][100:357])
     stock = partial_read(FileSystemReader(dest, _extension_registry=registry()), "w3", (100, 357))
     assert torch.equal(stock, ours)
@@ -231,7 +236,7 @@ def _single_file_per_rank(tmp_path: Path) -> None:
     _same_files(tmp_path / "two", single_file_per_rank=True, thread_count=2)
     _same_files(tmp_path / "per-item", single_file_per_rank=False)
     with pytest.raises(ValueError, match="file_size_bytes"):
-        UCVolumeWriter(tmp_path, single_file_per_rank=True, file_size_bytes=1 << 20)
+        UCVolumeWriter(tmp_path, single_file_per_rank=True, options=WriterOptions(file_size_bytes=1 << 20))
 
 
 def _cache_staged_state_dict(tmp_path: Path) -> None:
@@ -247,12 +252,14 @@ def _serialization_format(tmp_path: Path) -> None:
         UCVolumeWriter(tmp_path, serialization_format=SerializationFormat.SAFETENSORS)
 
 
-def _attribute(name: str, value: Any, ours: str | None = None) -> Callable[[Path], None]:
-    """The argument is taken as stock takes it: ours keeps it where stock does (or as ``ours``)."""
+def _attribute(name: str, value: Any) -> Callable[[Path], None]:
+    """The argument is taken as stock takes it: it replaces the writer options' field of that name
+    (where ours keeps every setting)."""
 
     def check(tmp_path: Path) -> None:
         writer = UCVolumeWriter(tmp_path, **{name: value})
-        assert getattr(writer, ours or name) == getattr(FileSystemWriter(tmp_path, **{name: value}), name) == value
+        assert getattr(writer.options, name) == getattr(FileSystemWriter(tmp_path, **{name: value}), name) == value
+        assert writer.options == UCVolumeWriter(tmp_path, options=WriterOptions(**{name: value})).options
 
     return check
 
@@ -268,7 +275,7 @@ def _extensions(tmp_path: Path) -> None:
 WRITER_ARGUMENTS: dict[str, Callable[[Path], None]] = {
     "path": lambda tmp_path: _round_trip(tmp_path),
     "single_file_per_rank": _single_file_per_rank,
-    "sync_files": _attribute("sync_files", False, ours="sync_volume"),
+    "sync_files": _attribute("sync_files", False),
     "thread_count": _attribute("thread_count", 3),
     "per_thread_copy_ahead": _attribute("per_thread_copy_ahead", 1 << 20),
     "cache_staged_state_dict": _cache_staged_state_dict,

@@ -27,6 +27,7 @@ from uc_checkpoint import (
     UCVolumeWriter,
     VolumeError,
 )
+from uc_checkpoint.dcp.options import ReaderOptions, WriterOptions
 from uc_checkpoint.volumes import FileRecord, LocalVolume, MemoryVolume
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -56,10 +57,15 @@ def test_round_trip_loads_with_stock_and_our_reader(tmp_path: Path, staging: Pat
 def test_many_files_and_threads(tmp_path: Path, staging: Path) -> None:
     sd = make_state_dict(2, n=6)
     dest = tmp_path / "ckpt"
-    dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=100_000, thread_count=2, upload_workers=3))
+    dcp.save(
+        sd,
+        storage_writer=UCVolumeWriter(
+            dest, thread_count=2, options=WriterOptions(file_size_bytes=100_000, upload_workers=3)
+        ),
+    )
     assert len(data_files(dest)) >= 4
     out = empty_like_state_dict(sd)
-    dcp.load(out, storage_reader=UCVolumeReader(dest, download_workers=3))
+    dcp.load(out, storage_reader=UCVolumeReader(dest, options=ReaderOptions(download_workers=3)))
     assert_state_dict_equal(out, sd)
     # the manifest inside .metadata lists exactly the data files, with their sizes
     meta = pickle.loads((dest / ".metadata").read_bytes())
@@ -127,7 +133,9 @@ def test_checkpoint_id_may_be_a_volume_and_anything_else_is_named(tmp_path: Path
 @pytest.mark.parametrize("value", [1.5, True, "4"])
 def test_reader_size_options_must_be_ints(tmp_path: Path, option: str, value: object) -> None:
     with pytest.raises(TypeError, match=f"{option} must be an int, got {type(value).__name__}"):
-        UCVolumeReader(tmp_path, **{option: value})
+        ReaderOptions(**{option: value})
+    with pytest.raises(TypeError, match="options must be a ReaderOptions, got dict"):
+        UCVolumeReader(tmp_path, options={option: value})  # type: ignore[arg-type]
 
 
 def test_overwrite_replaces_atomically_and_removes_old_files(tmp_path: Path, staging: Path) -> None:
@@ -202,7 +210,7 @@ def test_location_that_is_a_file(tmp_path: Path, staging: Path) -> None:
 def test_missing_parent_without_create_parents(tmp_path: Path, staging: Path) -> None:
     dest = tmp_path / "no" / "such" / "ckpt"
     with pytest.raises(CheckpointException) as ei:
-        dcp.save(make_state_dict(), storage_writer=UCVolumeWriter(dest, create_parents=False))
+        dcp.save(make_state_dict(), storage_writer=UCVolumeWriter(dest, options=WriterOptions(create_parents=False)))
     assert isinstance(cause(ei), VolumeError) and str(dest.parent) in str(cause(ei))
     assert not (tmp_path / "no").exists()
 
@@ -237,7 +245,8 @@ def test_failed_upload_publishes_nothing_and_keeps_previous(tmp_path: Path, stag
     dcp.save(make_state_dict(9), storage_writer=UCVolumeWriter(dest))
     with pytest.raises(CheckpointException) as ei:
         dcp.save(
-            make_state_dict(10, n=6), storage_writer=UCVolumeWriter(FailingVolume(dest, 2), file_size_bytes=50_000)
+            make_state_dict(10, n=6),
+            storage_writer=UCVolumeWriter(FailingVolume(dest, 2), options=WriterOptions(file_size_bytes=50_000)),
         )
     assert isinstance(cause(ei), TransferError) and "injected" in str(cause(ei))
     out = empty_like_state_dict(make_state_dict(9))
@@ -270,13 +279,13 @@ def test_publish_without_rename(tmp_path: Path, staging: Path, monkeypatch: pyte
 def saved(tmp_path: Path, staging: Path) -> tuple[Path, dict]:
     sd = make_state_dict(12, n=6)
     dest = tmp_path / "ckpt"
-    dcp.save(sd, storage_writer=UCVolumeWriter(dest, file_size_bytes=100_000))
+    dcp.save(sd, storage_writer=UCVolumeWriter(dest, options=WriterOptions(file_size_bytes=100_000)))
     return dest, sd
 
 
 def load_error(dest: Path, sd: dict, **kwargs: object) -> BaseException:
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(dest, **kwargs))
+        dcp.load(empty_like_state_dict(sd), storage_reader=UCVolumeReader(dest, options=ReaderOptions(**kwargs)))
     return cause(ei)
 
 
@@ -345,8 +354,7 @@ def test_a_load_fetches_the_largest_ranges_first(tmp_path: Path, staging: Path, 
     reader = UCVolumeReader(
         RecordingVolume(str(tmp_path / "ckpt")),
         staging_dir=staging,
-        download_workers=1,
-        prefetch_files=prefetch_files,
+        options=ReaderOptions(download_workers=1, prefetch_files=prefetch_files),
     )
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert_state_dict_equal(target, sd)

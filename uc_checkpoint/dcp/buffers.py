@@ -29,7 +29,7 @@ class StagingBuffers:
     """A set of CPU tensors kept between async saves of the same state dict.
 
     Pass one object to every writer of a training run (or let :class:`~uc_checkpoint.CheckpointManager`
-    keep it: ``reuse_staging_buffers=True``)::
+    keep it: ``staging=Staging(reuse_buffers=True)``)::
 
         buffers = StagingBuffers()
         for step in ...:

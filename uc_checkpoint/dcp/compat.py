@@ -53,10 +53,6 @@ try:  # the version string DCP stamps into .metadata (2.5+)
 except ImportError:  # pragma: no cover - older torch
     CURRENT_DCP_VERSION = "1.0.0"  # type: ignore[misc]
 
-#: Thread-name prefix of DCP's THREAD-mode async save executor
-#: (``_async_thread_executor._ThreadBasedAsyncCheckpointExecutor``).
-DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
-
 
 def default_store() -> Any:
     """The default process group's c10d key-value store (``distributed_c10d._get_default_store``,
@@ -203,7 +199,6 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 __all__ = [
     "CURRENT_DCP_VERSION",
-    "DCP_ASYNC_THREAD_PREFIX",
     "ExtensionRegistry",
     "HAS_STREAM_EXTENSIONS",
     "StreamTransformExtension",

@@ -100,18 +100,12 @@ def check_registry(registry: object) -> Any | None:
 
 
 def stock_writer_arguments(
-    extensions: object,
-    single_file_per_rank: object,
-    per_thread_copy_ahead: object,
-    cache_staged_state_dict: object,
-    serialization_format: object,
-    *,
-    file_size_bytes: int | None,
-    staging_buffers: object,
+    extensions: object, cache_staged_state_dict: object, serialization_format: object, *, staging_buffers: object
 ) -> tuple[StagingBuffers | None, dict[str, Any]]:
-    """Check the arguments ``UCVolumeWriter`` takes from DCP's ``FileSystemWriter`` (and its own
-    ``staging_buffers``); return the writer's staging buffers and the keyword arguments for
-    ``FileSystemWriter.__init__`` (``per_thread_copy_ahead``, and ``_extensions`` when given).
+    """Check the arguments ``UCVolumeWriter`` takes from DCP's ``FileSystemWriter`` that are not
+    :class:`~uc_checkpoint.dcp.options.WriterOptions` fields (and its own ``staging_buffers``);
+    return the writer's staging buffers and the keyword arguments for
+    ``FileSystemWriter.__init__`` (``_extensions``, when given).
 
     ``cache_staged_state_dict=True`` gives the writer staging buffers of its own: DCP's cache of
     the staged state dict between async saves of one writer is what
@@ -119,20 +113,11 @@ def stock_writer_arguments(
 
     Raises:
         TypeError: a wrong type.
-        ValueError: a value out of range, two arguments that choose the same thing
-            (``single_file_per_rank`` with ``file_size_bytes``, ``cache_staged_state_dict`` with
-            ``staging_buffers``), or a ``serialization_format`` other than ``TORCH_SAVE``.
+        ValueError: ``cache_staged_state_dict`` with ``staging_buffers`` (both keep the snapshot),
+            or a ``serialization_format`` other than ``TORCH_SAVE``.
     """
     if staging_buffers is not None and not isinstance(staging_buffers, StagingBuffers):
         raise TypeError(f"staging_buffers must be a StagingBuffers or None, got {type(staging_buffers).__name__}")
-    if single_file_per_rank is not None and not isinstance(single_file_per_rank, bool):
-        raise TypeError(f"single_file_per_rank must be a bool or None, got {type(single_file_per_rank).__name__}")
-    if single_file_per_rank is not None and file_size_bytes is not None:
-        raise ValueError("pass single_file_per_rank or file_size_bytes, not both: both choose the data files")
-    if not isinstance(per_thread_copy_ahead, int) or isinstance(per_thread_copy_ahead, bool):
-        raise TypeError(f"per_thread_copy_ahead must be an int, got {type(per_thread_copy_ahead).__name__}")
-    if per_thread_copy_ahead < 0:
-        raise ValueError(f"per_thread_copy_ahead must be >= 0, got {per_thread_copy_ahead}")
     if not isinstance(cache_staged_state_dict, bool):
         raise TypeError(f"cache_staged_state_dict must be a bool, got {type(cache_staged_state_dict).__name__}")
     name = getattr(serialization_format, "name", serialization_format)
@@ -146,7 +131,7 @@ def stock_writer_arguments(
         if staging_buffers is not None:
             raise ValueError("pass cache_staged_state_dict=True or staging_buffers, not both: both keep the snapshot")
         staging_buffers = StagingBuffers()
-    base: dict[str, Any] = {"per_thread_copy_ahead": per_thread_copy_ahead}
+    base: dict[str, Any] = {}
     checked = check_extensions(extensions)
     if checked is not None:  # passed only when given: DCP before 2.7 has no such argument
         base["_extensions"] = checked

@@ -23,15 +23,17 @@ or a write as done and lose it; deleting in step 4 after such a loss would lose 
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from uc_checkpoint.errors import (
     CheckpointExistsError,
@@ -202,6 +204,78 @@ def begin_save(
     previous = volume.read_bytes(claim_name) if claim_name in files else None
     tag = volume.write_tagged(claim_name, body)
     return Claim(published, tag, layout.ABANDONED_NAME in files, previous)
+
+
+_T = TypeVar("_T")
+
+
+def in_background(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[_T]:
+    """Run ``fn`` on a new daemon thread (named for it); its result or exception comes back
+    through the future."""
+    future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"uc-{getattr(fn, '__name__', 'save')}", daemon=True).start()
+    return future
+
+
+class BackgroundClaim:
+    """One save's :func:`begin_save`, run in the background from its planning step: claiming a
+    location is a listing and two PUTs (tens of ms on an object store), which run while DCP
+    gathers the plans and the files are serialised. Nothing may be uploaded before the marker is
+    there (:meth:`wait_marked`), nothing published before the whole claim held (:meth:`result`).
+
+    Args:
+        volume, marker, save_id, overwrite, create_parents: as :func:`begin_save`'s.
+    """
+
+    def __init__(
+        self, volume: Volume, marker: SaveMarker, save_id: str, *, overwrite: bool, create_parents: bool
+    ) -> None:
+        marked: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._marked = marked
+        self._claim = in_background(
+            begin_save,
+            volume,
+            marker,
+            save_id,
+            overwrite=overwrite,
+            create_parents=create_parents,
+            on_marked=lambda: marked.set_result(None),
+        )
+        # Runs on the claiming thread once it is done: a claim refused before its marker was
+        # written hands its error to whoever waits for the marker.
+        self._claim.add_done_callback(self._settle_marked)
+
+    def _settle_marked(self, claim: concurrent.futures.Future[Claim]) -> None:
+        if self._marked.done():
+            return
+        error = claim.exception()
+        if error is None:
+            self._marked.set_result(None)
+        else:
+            self._marked.set_exception(error)
+
+    def wait_marked(self) -> None:
+        """Wait until the marker is on the volume; raises what claiming raised before that."""
+        self._marked.result()
+
+    def done(self) -> bool:
+        """Whether the claim is over (held or refused)."""
+        return self._claim.done()
+
+    def result(self) -> Claim:
+        """Wait for the claim; what it found (raises what claiming raised)."""
+        return self._claim.result()
+
+    def wait(self) -> None:
+        """Wait for the claim to be over, raising nothing."""
+        concurrent.futures.wait([self._claim])
 
 
 def check_data_files(
@@ -464,6 +538,8 @@ def describe_publisher(raw: bytes | None, read_manifest: ManifestReader) -> str:
 
 
 __all__ = [
+    "BackgroundClaim",
+    "in_background",
     "LIVE_UPLOAD_S",
     "Claim",
     "ManifestReader",

@@ -41,6 +41,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from uc_checkpoint.dcp.options import ReaderOptions
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.engine.publish import check_data_files, publish_metadata, remove_superseded
 from uc_checkpoint.engine.staging_dir import create_staging_dir, staging_dir_for
@@ -412,7 +413,7 @@ def export_checkpoint(
     """
     started = time.monotonic()
     fmt = export_format(format)
-    reader = UCVolumeReader(checkpoint, prefetch_files=False)
+    reader = UCVolumeReader(checkpoint, options=ReaderOptions(prefetch_files=False))
     source = reader.volume.url
     metadata = reader.load_metadata()
     plan = plan_export(

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from uc_checkpoint.dcp import metadata_io
+from uc_checkpoint.dcp.options import Staging
 from uc_checkpoint.dcp.planner import UCSavePlanner
 from uc_checkpoint.dcp.stager import BackgroundStager
 from uc_checkpoint.dcp.writer import UCVolumeWriter
@@ -66,11 +67,11 @@ def start_dcp_save(
     group: dist.ProcessGroup | None,
     *,
     asynchronous: bool,
-    async_mode: str,
-    async_staging: bool,
+    staging: Staging,
 ) -> tuple[Future, Future | None]:
-    """Start DCP's save of ``state_dict`` through ``writer`` on ``group``: a future of its
-    ``Metadata`` (already complete for a synchronous save) and, with ``async_staging``, the future
+    """Start DCP's save of ``state_dict`` through ``writer`` on ``group`` (``dcp.async_save`` in
+    ``staging``'s mode when ``asynchronous``, else ``dcp.save``): a future of its ``Metadata``
+    (already complete for a synchronous save) and, with ``staging.background_copy``, the future
     of the staged copy (:class:`~uc_checkpoint.dcp.stager.BackgroundStager`).
 
     Raises:
@@ -79,8 +80,8 @@ def start_dcp_save(
     """
     common: dict[str, Any] = {"storage_writer": writer, "process_group": group, "planner": UCSavePlanner()}
     if asynchronous:
-        mode = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
-        if async_staging:
+        mode = AsyncCheckpointerType.PROCESS if staging.mode == "process" else AsyncCheckpointerType.THREAD
+        if staging.background_copy:
             response = dcp.async_save(
                 state_dict, async_checkpointer_type=mode, async_stager=BackgroundStager(), **common
             )

@@ -24,7 +24,7 @@ import builtins
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from datetime import timedelta
@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from uc_checkpoint.dcp.buffers import StagingBuffers
+from uc_checkpoint.dcp.options import ReaderOptions, Staging, WriterOptions
 from uc_checkpoint.dcp.reader import UCVolumeReader
 from uc_checkpoint.dcp.writer import UCVolumeWriter
 from uc_checkpoint.errors import CheckpointNotFoundError, PeerTimeoutError, one_line
@@ -43,7 +44,7 @@ from uc_checkpoint.observability import SaveEvent, current_mlflow_run_id, record
 from uc_checkpoint.ops import catalog, inflight
 from uc_checkpoint.ops.catalog import POINTER_NAME, CheckpointInfo
 from uc_checkpoint.ops.interval import IntervalPolicy
-from uc_checkpoint.ops.options import ReaderOptions, WriterOptions, check_manager_arguments, check_timeout
+from uc_checkpoint.ops.options import check_manager_arguments, check_timeout
 from uc_checkpoint.ops.preemption import PreemptionNotice
 from uc_checkpoint.ops.ranks import RankGroup
 from uc_checkpoint.ops.root_view import RootView
@@ -64,24 +65,10 @@ class CheckpointManager:
         keep_last: published checkpoints to keep (newest first); ``None`` keeps all. Older ones are
             deleted only after a newer save is published, never the location a save is writing.
         keep_every: also keep every checkpoint whose step is a multiple of this (e.g. for evals).
-        async_save: :meth:`save` uses ``dcp.async_save`` (training resumes once the state is copied
-            to CPU memory) rather than ``dcp.save``.
-        async_mode: ``"thread"`` or ``"process"`` (DCP's ``AsyncCheckpointerType``).
-        async_staging: copy the state to CPU memory in a background thread as well
-            (:class:`~uc_checkpoint.dcp.stager.BackgroundStager`), so that :meth:`save` returns
-            after a few milliseconds instead of after one copy of the state. Off by default
-            because it moves a duty to the training loop: call :meth:`wait_until_staged` after
-            :meth:`save` and before anything changes the state (``optimizer.step()``, a load
-            into it). A state changed earlier fails the save
-            (:class:`~uc_checkpoint.errors.StateChangedWhileStagingError`) rather than publish a
-            checkpoint that mixes two steps. Needs ``async_save=True``.
-        reuse_staging_buffers: keep the CPU copy of the state between async saves and copy the
-            next save's state into it (:class:`~uc_checkpoint.dcp.buffers.StagingBuffers`):
-            :meth:`save` blocks for a copy into memory already mapped rather than new memory
-            (the kept-buffer rows of docs/benchmarks.md), and the copy of the rank's state stays
-            allocated between saves (it exists during each async save anyway).
-            Needs ``async_save=True``, ``async_staging=False`` and ``async_mode="thread"`` (in
-            PROCESS mode each snapshot goes to DCP's daemon with its save: nothing to keep).
+        staging: how each save runs (:class:`~uc_checkpoint.dcp.options.Staging`): DCP's THREAD
+            or PROCESS async save or a synchronous one, the copy to CPU memory in the background
+            or not, its memory kept between saves or not. None: ``Staging()``, a THREAD-mode
+            ``dcp.async_save`` (training resumes once the state is copied to CPU memory).
         process_group: the ranks that save and load together (default: every rank). The manager
             never issues a collective on this group itself: on first use it creates two gloo groups
             over the same ranks, one for DCP's saves (whose collectives run in a background thread
@@ -95,12 +82,9 @@ class CheckpointManager:
             checkpoint": that would silently restart training from scratch.
         list_backoff_s: first retry delay in seconds.
         write_pointer: write the ``latest`` pointer file after each published save.
-        writer_options, reader_options: settings of the :class:`UCVolumeWriter` each save creates
-            and the :class:`UCVolumeReader` each load creates: a
-            :class:`~uc_checkpoint.ops.options.WriterOptions` /
-            :class:`~uc_checkpoint.ops.options.ReaderOptions` or a dict of their fields (its
-            fields and units are documented there). Checked here, once: an unknown key or a bad
-            value raises ``TypeError`` / ``ValueError`` naming it.
+        writer, reader: settings of the :class:`UCVolumeWriter` each save creates and the
+            :class:`UCVolumeReader` each load creates (:class:`~uc_checkpoint.dcp.options.WriterOptions`,
+            :class:`~uc_checkpoint.dcp.options.ReaderOptions`, checked when built); None: the defaults.
         volume_options: options for the root's volume when ``root`` is a path or URL (S3 endpoint,
             addressing style, checksums, part size, ...; see :func:`uc_checkpoint.volumes.open_volume`);
             every checkpoint under the root gets them.
@@ -144,17 +128,14 @@ class CheckpointManager:
         *,
         keep_last: int | None = 3,
         keep_every: int | None = None,
-        async_save: bool = True,
-        async_mode: str = "thread",
-        async_staging: bool = False,
-        reuse_staging_buffers: bool = False,
+        staging: Staging | None = None,
         process_group: dist.ProcessGroup | None = None,
         staging_dir: str | None = None,
         list_attempts: int = 5,
         list_backoff_s: float = 1.0,
         write_pointer: bool = True,
-        writer_options: WriterOptions | Mapping[str, Any] | None = None,
-        reader_options: ReaderOptions | Mapping[str, Any] | None = None,
+        writer: WriterOptions | None = None,
+        reader: ReaderOptions | None = None,
         volume_options: dict[str, Any] | None = None,
         save_interval: IntervalPolicy | None = None,
         timeout: float | timedelta | None = None,
@@ -163,31 +144,29 @@ class CheckpointManager:
             root,
             keep_last=keep_last,
             keep_every=keep_every,
-            async_save=async_save,
-            async_mode=async_mode,
-            async_staging=async_staging,
-            reuse_staging_buffers=reuse_staging_buffers,
             list_attempts=list_attempts,
+            staging=staging,
+            writer=writer,
+            reader=reader,
         )
         checked_timeout = check_timeout(timeout)
-        #: Settings of each save's writer and each load's reader, checked once here (a dict given is
-        #: converted). To change them between saves, assign new ones:
-        #: ``manager.writer_options = dataclasses.replace(manager.writer_options, upload_workers=2)``.
-        self.writer_options: WriterOptions = WriterOptions.coerce(writer_options)
-        self.reader_options: ReaderOptions = ReaderOptions.coerce(reader_options)
+        #: Settings of each save's writer and each load's reader. To change them between saves,
+        #: assign new ones: ``manager.writer_options = dataclasses.replace(manager.writer_options,
+        #: upload_workers=2)``.
+        self.writer_options: WriterOptions = writer or WriterOptions()
+        self.reader_options: ReaderOptions = reader or ReaderOptions()
+        #: How each save runs (:class:`~uc_checkpoint.dcp.options.Staging`).
+        self.staging: Staging = staging or Staging()
         self.root = open_volume(root, **(volume_options or {}))
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.async_save = async_save
-        self.async_mode = async_mode
-        self.async_staging = async_staging
-        self._staging_buffers = StagingBuffers() if reuse_staging_buffers else None
+        self._staging_buffers = StagingBuffers() if self.staging.reuse_buffers else None
         self.process_group = process_group
         self.staging_dir = staging_dir
         self.write_pointer = write_pointer
         self._pending: inflight.PendingSave | None = None
-        # The staging of the save in flight, while async staging may still be reading the state.
-        self._staging: Future | None = None
+        # The background copy of the save in flight, while it may still be reading the state.
+        self._copying: Future | None = None
         #: The :class:`~uc_checkpoint.observability.SaveEvent` of the last save (None before the first).
         self.last_save: SaveEvent | None = None
         self._preemption = PreemptionNotice()
@@ -254,11 +233,11 @@ class CheckpointManager:
         """Save ``state_dict`` as the checkpoint of ``step`` (every rank calls it).
 
         Waits for the previous save first (one save in flight) and raises its error, if any. With
-        ``async_save`` the returned future completes when the checkpoint is published (``.metadata``
+        an asynchronous ``staging`` mode the returned future completes when the checkpoint is published (``.metadata``
         written); otherwise the save is done when this returns.
 
         When it returns, the state may change: the save works on its own copy; except with
-        ``async_staging=True``, where the copy is still being taken: call :meth:`wait_until_staged`
+        ``Staging(background_copy=True)``, where the copy is still being taken: call :meth:`wait_until_staged`
         before anything changes the state (the next ``optimizer.step()``)::
 
             manager.save(step, state)
@@ -281,7 +260,7 @@ class CheckpointManager:
             CheckpointException (DCP's) with our errors inside: the previous or this (sync) save failed.
         """
         started = time.monotonic()
-        done = self._save(step, state_dict, asynchronous=self.async_save)
+        done = self._save(step, state_dict, asynchronous=self.staging.asynchronous)
         if self._schedule is not None:
             self._schedule.saved(step, time.monotonic() - started)
         return done
@@ -302,7 +281,7 @@ class CheckpointManager:
     def wait_until_staged(self, timeout: float | None = None) -> None:
         """Block until the save in flight no longer reads the state passed to :meth:`save`; from
         then on the training loop may change it in place. Returns at once when no staging is in
-        progress (no save in flight, a synchronous save, ``async_staging=False``, or already
+        progress (no save in flight, a synchronous save, no ``background_copy``, or already
         waited for); cheap enough to call before every ``optimizer.step()``.
 
         A staging that failed is not raised here (the state is free either way): like every save
@@ -316,15 +295,15 @@ class CheckpointManager:
             TimeoutError: the copy was not complete after ``timeout`` seconds (the state must still
                 not change; call again).
         """
-        staging, self._staging = self._staging, None
-        if staging is None:
+        copying, self._copying = self._copying, None
+        if copying is None:
             return
         try:
-            futures_wait([staging], timeout=timeout)
+            futures_wait([copying], timeout=timeout)
         finally:
-            if not staging.done():
-                self._staging = staging
-        if not staging.done():
+            if not copying.done():
+                self._copying = copying
+        if not copying.done():
             raise TimeoutError(f"the staging of the save in flight took more than {timeout} s")
 
     def _save(self, step: int, state_dict: dict[str, Any], *, asynchronous: bool) -> Future:
@@ -341,12 +320,12 @@ class CheckpointManager:
         run_id = current_mlflow_run_id() if leader else None
         writer = UCVolumeWriter(
             location,
+            options=self.writer_options,
             staging_dir=self.staging_dir,
             staging_buffers=self._staging_buffers,
             mlflow_run_id=run_id,
-            **self.writer_options.as_kwargs(),
         )
-        if asynchronous and self.async_mode == "process" and self._ranks.distributed():
+        if asynchronous and self.staging.mode == "process" and self._ranks.distributed():
             writer.process_group_timeout = self._ranks.timeout()  # DCP's checkpoint process's own group
         group = self._ranks.save_group()
         pending = inflight.PendingSave(step, location.url, leader, run_id, asynchronous)  # starts the clock
@@ -359,8 +338,7 @@ class CheckpointManager:
                     writer,
                     group,
                     asynchronous=asynchronous,
-                    async_mode=self.async_mode,
-                    async_staging=self.async_staging,
+                    staging=self.staging,
                 ),
             )
         except BaseException as exc:
@@ -369,7 +347,7 @@ class CheckpointManager:
         pending.blocked_s = pending.elapsed_s()
         self._pending = pending
         if staging is not None:
-            self._staging = staging
+            self._copying = staging
             staging.add_done_callback(partial(inflight.staged, pending))
         fut.add_done_callback(partial(self._on_saved, pending))
         return pending.done
@@ -610,7 +588,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"no published checkpoint at step {step}: {location.url_of(METADATA_NAME)} does not exist"
             )
-        reader = UCVolumeReader(location, staging_dir=self.staging_dir, **self.reader_options.as_kwargs())
+        reader = UCVolumeReader(location, options=self.reader_options, staging_dir=self.staging_dir)
         self._ranks.collective(
             f"load step {step} from {location.url}",
             lambda: dcp.load(state_dict, storage_reader=reader, process_group=self._ranks.agree_group()),
